@@ -1,0 +1,74 @@
+"""The bare baseline for ``bench/overhead.py``: the same batches and the same loop, no harness.
+
+Run as its own process (``python bench/bare_loop.py BUNDLE BATCHES.npy ...``) so it pays the
+same interpreter start and ``import torch`` as a rank does. It forces the same determinism,
+imports the bundle, and calls its ``train(ctx)`` with a minimal in-process context whose
+``iter_train_batches`` yields the pre-cut batches after one no-grad scoring forward each (the
+unavoidable work of prequential scoring). No torchrun, no socket, no feeder, no tokenization.
+Prints one JSON line: ``{"t_last_batch": <time.time() of the last batch>, "batches": n}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from prism_challenge.evaluator.instrument import score_batch
+from prism_challenge.evaluator.interface import Batch, PrismContext
+from prism_challenge.evaluator.seeding import force_determinism, force_seeds
+
+
+class BareRuntime:
+    """In-process stand-in for the runner: pre-cut batches, a scoring forward, nothing else."""
+
+    def __init__(self, batches: list[np.ndarray], vocab_size: int, build, seed: int):
+        self.batches, self.vocab_size, self.build, self.seed = batches, vocab_size, build, seed
+        self.t_first = None
+        self.t_last = None
+
+    def build_model(self, ctx):
+        force_seeds(self.seed)
+        return self.build(ctx)
+
+    def iter_train_batches(self, ctx, model, batch_size, seq_len, tokenizer):
+        for step, rows in enumerate(self.batches):
+            tokens = torch.from_numpy(rows).to(ctx.device)
+            score_batch(model, tokens, self.vocab_size)
+            self.t_last = time.time()
+            if self.t_first is None:
+                self.t_first = self.t_last
+            yield Batch(tokens, step)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("bundle")
+    p.add_argument("batches", help=".npz with arrays b0, b1, ... (the harness's exact batches)")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    force_determinism(a.seed, a.threads)
+    data = np.load(a.batches)
+    batches = [data[f"b{i}"] for i in range(len(data.files))]
+    sys.path.insert(0, a.bundle)
+    arch = importlib.import_module("architecture")
+    runtime = BareRuntime(batches, a.vocab_size, arch.build_model, a.seed)
+    arch.build_model = runtime.build_model
+    training = importlib.import_module("training")
+    ctx = PrismContext(seed=a.seed, vocab_size=a.vocab_size, sequence_length=a.seq_len, max_parameters=10**9,
+                       device=a.device, artifacts_dir="", _runtime=runtime)
+    training.train(ctx)
+    print(json.dumps({"t_first_batch": runtime.t_first, "t_last_batch": runtime.t_last, "batches": len(batches)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Harness overhead: a scored re-execution against a bare PyTorch loop doing the same work.
+
+For each bundle it runs ``prism eval`` (gates, then torchrun + runner + feeder) and a bare
+baseline (``bench/bare_loop.py``: the same batches, per batch one no-grad scoring forward plus
+the bundle's own training step, no harness) as separate processes, and prints:
+
+* ``time ratio``: re-execution time (launch of torchrun -> last scored batch) / bare time
+  (launch of the bare process -> its last batch). Both include interpreter start and
+  ``import torch``; the gates and the work after the stream are timed and printed apart.
+* ``throughput ratio``: bare time / re-execution time (tokens per second relative to bare).
+* the same two over the steady stream only (first batch -> last batch), where the feeder's
+  per-batch cost shows without the launch.
+
+Bundles: ``examples/tiny-1m`` (model-bound, GPT-2 tokenizer) and ``bench/bundles/trivial``
+(an 8-dim embedding and a linear head on the ``bytes`` tokenizer, batch 8 x 1024, 1M tokens).
+Goals (issue 2): time ratio <= 1.02 on the example; throughput ratio >= 0.95 on the trivial one.
+
+Usage: ``python bench/overhead.py [--repeats 3] [--example-tokens 100000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from prism_challenge.bundle import load_bundle
+from prism_challenge.data.builtin import ensure_builtin
+from prism_challenge.data.manifest import load_manifest
+from prism_challenge.data.stream import train_stream
+from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.evaluator.feeder import RowAssembler
+from prism_challenge.tokenizers import reference_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -> None:
+    """Save the exact batches the harness will serve (same stream, budget and cuts)."""
+    tok = reference_tokenizer(load_bundle(bundle).tokenizer)
+    asm = RowAssembler(train_stream(load_manifest(ensure_builtin()), tok), tokens)
+    arrays = {}
+    while (cut := asm.cut(batch, seq_len)) is not None:
+        arrays[f"b{len(arrays)}"] = cut.tokens
+    np.savez(out, **arrays)
+
+
+def run_harness(bundle: str, tokens: int, seq_len: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        o = evaluate(EvalOptions(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads,
+                                 out_dir=str(Path(d) / "run"), device="cpu"))
+    if o.failure:
+        raise SystemExit(f"harness run failed: {o.failure}")
+    t = o.manifest["timing"]
+    return {"total": t["launch_to_last_record_s"], "stream": t["launch_to_last_record_s"] - t["launch_to_first_batch_s"],
+            "gates": t["gates_s"], "after": t["after_stream_s"], "bpb": o.manifest["score"]["prequential_bpb"]}
+
+
+def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int) -> dict:
+    t0 = time.time()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bare_loop.py"), bundle, str(batches), "--vocab-size", str(vocab),
+         "--seq-len", str(seq_len), "--threads", str(threads)],
+        check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": str(threads), **__import__("os").environ},
+    )
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"total": rec["t_last_batch"] - t0, "stream": rec["t_last_batch"] - rec["t_first_batch"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--example-tokens", type=int, default=100_000)
+    p.add_argument("--trivial-tokens", type=int, default=1_000_000)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    cases = [
+        ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257),
+        ("trivial (bytes, 8x1024)", str(ROOT / "bench" / "bundles" / "trivial"), a.trivial_tokens, 8, 1024, 257),
+    ]
+    for name, bundle, tokens, batch, seq_len, vocab in cases:
+        with tempfile.TemporaryDirectory() as d:
+            npz = Path(d) / "batches.npz"
+            cut_batches(bundle, tokens, batch, seq_len, npz)
+            h, b = [], []
+            for _ in range(a.repeats):
+                h.append(run_harness(bundle, tokens, seq_len, a.threads))
+                b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
+        med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+        ht, bt, hs, bs = med(h, "total"), med(b, "total"), med(h, "stream"), med(b, "stream")
+        print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads")
+        print(f"   re-execution launch->last batch {ht:8.3f} s | bare launch->last batch {bt:8.3f} s")
+        print(f"   time ratio {ht / bt:.3f}   throughput ratio {bt / ht:.3f}")
+        print(f"   steady stream: harness {hs:.3f} s, bare {bs:.3f} s -> time ratio {hs / bs:.3f}, throughput ratio {bs / hs:.3f}")
+        print(f"   gates {med(h, 'gates'):.3f} s, after stream {med(h, 'after'):.3f} s, prequential_bpb {h[0]['bpb']:.6f}")
+
+
+if __name__ == "__main__":
+    main()

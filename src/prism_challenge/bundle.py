@@ -1,0 +1,468 @@
+"""Bundle intake: locate a submission's two scripts and hash what will run.
+
+A bundle is a directory (or a ``.zip`` of one, see :func:`extract_zip`) holding ``architecture.py`` (exposing ``build_model(ctx)``) and
+``training.py`` (exposing ``train(ctx)``). An optional ``prism.yaml`` may declare::
+
+    architecture:
+      entrypoint: architecture.py:build_model   # or a mapping {file:, symbol:}
+    training:
+      entrypoint: training.py:train
+    tokenizer: gpt2                              # or "bytes"
+
+Declared names are honoured exactly. The two entrypoints must be distinct files.
+
+Intake rules (:func:`check_tree`, :func:`extract_zip`) refuse a bundle before anything reads
+its source: only text suffixes (:data:`ALLOWED_SUFFIXES`), no symlinks or special files, a cap
+on member count and on total source size, and for archives no absolute or parent-relative member
+names, nothing resolving outside the target, no duplicates and no zip bombs. A refusal is a
+:class:`BundleError` whose ``rule`` is a stable id such as ``prism:zip-symlink``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+SPEC_FILE = "prism.yaml"
+DEFAULT_ARCHITECTURE = ("architecture.py", "build_model")
+DEFAULT_TRAINING = ("training.py", "train")
+DEFAULT_TOKENIZER = "gpt2"
+
+
+ALLOWED_SUFFIXES = frozenset({".py", ".yaml", ".yml", ".json", ".md", ".txt"})
+"""File suffixes a bundle may hold (lower case); anything else is ``prism:bad-suffix``."""
+
+SKIPPED_DIRS = frozenset({"__pycache__"})
+"""Directory names ignored in a *directory* bundle (build output; never in an archive)."""
+
+
+class BundleError(ValueError):
+    """A bundle cannot be read: the message names the file and the rule broken.
+
+    Attributes:
+        rule: stable rule id (``prism:...``) of the broken intake rule; ``prism:bundle`` when the
+            raiser did not name one.
+    """
+
+    def __init__(self, message: str, rule: str = "prism:bundle") -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class IntakeLimits:
+    """Limits applied at intake, before any source is read.
+
+    Attributes:
+        max_files: most regular files (zip: members, directories included) in a bundle.
+        max_source_bytes: cap on the summed size of all bundle files in bytes (default 512 KiB:
+            large literal tables are a way to smuggle pretrained knowledge).
+        max_archive_bytes: cap on the summed *declared* uncompressed size of a zip's members.
+        max_ratio: largest uncompressed/compressed size ratio of one zip member ...
+        ratio_floor_bytes: ... checked for members whose uncompressed size exceeds this.
+    """
+
+    max_files: int = 256
+    max_source_bytes: int = 512 * 1024
+    max_archive_bytes: int = 4 * 1024 * 1024
+    max_ratio: float = 100.0
+    ratio_floor_bytes: int = 1024
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """A ``file:symbol`` pair inside the bundle (``file`` relative to the bundle root)."""
+
+    file: str
+    symbol: str
+
+    @property
+    def module(self) -> str:
+        """Import name of the file (its path without ``.py``, dots for separators)."""
+        return self.file[: -len(".py")].replace("/", ".")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A located bundle: its root, entrypoints, tokenizer and the sha256 of every file.
+
+    ``file_hashes`` maps each bundle-relative path to its sha256 hex digest; ``sha256`` is the
+    digest of the sorted ``path\\0digest\\n`` lines, so it changes when any file changes.
+    """
+
+    root: Path
+    architecture: Entrypoint
+    training: Entrypoint
+    tokenizer: str
+    file_hashes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        """Digest of the whole bundle (hex), from the per-file digests."""
+        h = hashlib.sha256()
+        for rel in sorted(self.file_hashes):
+            h.update(f"{rel}\0{self.file_hashes[rel]}\n".encode())
+        return h.hexdigest()
+
+
+def _spec_error(message: str) -> BundleError:
+    return BundleError(message, rule="prism:spec")
+
+
+def _parse_entrypoint(spec: object, default: tuple[str, str], where: str) -> Entrypoint:
+    if spec is None:
+        return Entrypoint(*default)
+    if isinstance(spec, str):
+        file, _, symbol = spec.partition(":")
+        symbol = symbol or default[1]
+    elif isinstance(spec, dict):
+        file = spec.get("file", default[0])
+        symbol = spec.get("symbol", default[1])
+    else:
+        raise _spec_error(f"{SPEC_FILE}: field '{where}' must be 'file.py:symbol' or a mapping")
+    if not isinstance(file, str) or not isinstance(symbol, str):
+        raise _spec_error(f"{SPEC_FILE}: field '{where}' must name a file and a symbol as strings")
+    if not file.endswith(".py") or file.startswith("/") or ".." in Path(file).parts:
+        raise _spec_error(
+            f"{SPEC_FILE}: field '{where}' must name a .py file inside the bundle, got {file!r}"
+        )
+    if not all(part.isidentifier() for part in file[: -len(".py")].split("/")):
+        raise _spec_error(
+            f"{SPEC_FILE}: field '{where}' file {file!r} is not an importable module path"
+        )
+    if not symbol.isidentifier():
+        raise _spec_error(f"{SPEC_FILE}: field '{where}' symbol {symbol!r} is not an identifier")
+    return Entrypoint(file, symbol)
+
+
+def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
+    """Read ``prism.yaml`` (if any) and return (architecture, training, tokenizer name).
+
+    Raises:
+        BundleError: (rule ``prism:spec``) malformed YAML, unknown fields, bad values, or both
+            entrypoints in one file; the message names the field.
+    """
+    path = root / SPEC_FILE
+    data: dict = {}
+    if path.is_file():
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise _spec_error(f"{SPEC_FILE}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise _spec_error(f"{SPEC_FILE}: the top level must be a mapping")
+        data = loaded
+    unknown = set(data) - {"architecture", "training", "tokenizer", "name", "description"}
+    if unknown:
+        raise _spec_error(f"{SPEC_FILE}: unknown field(s) {sorted(map(str, unknown))}")
+
+    def _section(key: str) -> object:
+        sec = data.get(key)
+        if isinstance(sec, dict) and "entrypoint" in sec:
+            return sec["entrypoint"]
+        if sec is not None and not isinstance(sec, dict):
+            raise _spec_error(f"{SPEC_FILE}: field '{key}' must be a mapping with 'entrypoint'")
+        return None
+
+    arch = _parse_entrypoint(_section("architecture"), DEFAULT_ARCHITECTURE, "architecture.entrypoint")
+    train = _parse_entrypoint(_section("training"), DEFAULT_TRAINING, "training.entrypoint")
+    tokenizer = data.get("tokenizer", DEFAULT_TOKENIZER)
+    if not isinstance(tokenizer, str):
+        raise _spec_error(f"{SPEC_FILE}: field 'tokenizer' must be a string")
+    if arch.file == train.file:
+        raise _spec_error(
+            f"{SPEC_FILE}: architecture and training entrypoints must be distinct files "
+            f"(both are {arch.file})"
+        )
+    return arch, train, tokenizer
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every regular file below ``root`` (bundle-relative POSIX paths).
+
+    ``__pycache__`` folders are skipped: they are build output, not submission.
+    """
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if p.is_symlink() or not p.is_file():
+                continue
+            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def check_tree(root: Path, limits: IntakeLimits = IntakeLimits()) -> int:
+    """Apply the intake rules to a bundle directory; return the total size of its files (bytes).
+
+    ``__pycache__`` folders are skipped (see :data:`SKIPPED_DIRS`); whoever imports the bundle
+    must not read bytecode from them (the parameter-count child points ``sys.pycache_prefix``
+    elsewhere for that reason).
+
+    Raises:
+        BundleError: the first broken rule, naming the bundle-relative path: ``prism:symlink``,
+            ``prism:special-file``, ``prism:bad-suffix``, ``prism:too-many-files`` or
+            ``prism:source-too-large``.
+    """
+    total = 0
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        kept = []
+        for d in sorted(dirnames):
+            rel = (here / d).relative_to(root).as_posix()
+            if (here / d).is_symlink():
+                raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
+            if d not in SKIPPED_DIRS:
+                kept.append(d)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            p = here / name
+            rel = p.relative_to(root).as_posix()
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
+            if not stat.S_ISREG(st.st_mode):
+                raise BundleError(f"{rel}: not a regular file", "prism:special-file")
+            _check_suffix(rel)
+            count += 1
+            if count > limits.max_files:
+                raise BundleError(
+                    f"{rel}: more than {limits.max_files} files in the bundle",
+                    "prism:too-many-files",
+                )
+            total += st.st_size
+            if total > limits.max_source_bytes:
+                raise BundleError(
+                    f"{rel}: bundle files exceed {limits.max_source_bytes} bytes in total",
+                    "prism:source-too-large",
+                )
+    return total
+
+
+def _check_suffix(rel: str) -> None:
+    suffix = PurePosixPath(rel).suffix.lower()
+    if suffix not in ALLOWED_SUFFIXES:
+        raise BundleError(
+            f"{rel}: suffix {suffix or '(none)'!r} is not allowed "
+            f"(allowed: {', '.join(sorted(ALLOWED_SUFFIXES))})",
+            "prism:bad-suffix",
+        )
+
+
+def _member_path(name: str) -> str:
+    """Validate one archive member name; return it normalized (POSIX, no trailing slash)."""
+    if name.startswith(("/", "\\")) or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
+        raise BundleError(f"{name}: absolute member path", "prism:zip-absolute-path")
+    parts = name.rstrip("/").split("/")
+    if ".." in parts:
+        raise BundleError(f"{name}: member path contains '..'", "prism:zip-parent-path")
+    # What another extractor (or another OS) could make of the name: backslashes as separators.
+    norm = os.path.normpath(name.replace("\\", "/")).replace(os.sep, "/")
+    if norm == ".." or norm.startswith("../") or norm.startswith("/"):
+        raise BundleError(f"{name}: member resolves outside the bundle", "prism:zip-escape")
+    if "\\" in name or any(ord(c) < 32 for c in name):
+        raise BundleError(
+            f"{name}: member name has a backslash or control character", "prism:zip-escape"
+        )
+    return norm
+
+
+def _check_members(zf: zipfile.ZipFile, limits: IntakeLimits) -> list[tuple[zipfile.ZipInfo, str]]:
+    infos = zf.infolist()
+    if len(infos) > limits.max_files:
+        raise BundleError(
+            f"{zf.filename}: {len(infos)} members, more than {limits.max_files}",
+            "prism:too-many-files",
+        )
+    total = sum(i.file_size for i in infos)
+    if total > limits.max_archive_bytes:
+        raise BundleError(
+            f"{zf.filename}: members declare {total} bytes, more than {limits.max_archive_bytes}",
+            "prism:zip-too-large",
+        )
+    seen: set[str] = set()
+    out: list[tuple[zipfile.ZipInfo, str]] = []
+    declared = 0
+    for info in infos:
+        name = info.filename
+        norm = _member_path(name)
+        mode = (info.external_attr >> 16) & 0xFFFF
+        if stat.S_ISLNK(mode):
+            raise BundleError(f"{name}: symlink member", "prism:symlink")
+        if mode and stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise BundleError(f"{name}: member is not a regular file", "prism:special-file")
+        if norm in seen:
+            raise BundleError(f"{name}: duplicate member", "prism:zip-duplicate")
+        seen.add(norm)
+        if info.flag_bits & 0x1:
+            raise BundleError(f"{name}: encrypted member", "prism:bad-zip")
+        if info.is_dir():
+            continue
+        _check_suffix(norm)
+        if info.file_size > limits.ratio_floor_bytes:
+            ratio = info.file_size / max(info.compress_size, 1)
+            if ratio > limits.max_ratio:
+                raise BundleError(
+                    f"{name}: compression ratio {ratio:.0f} exceeds {limits.max_ratio:.0f}",
+                    "prism:zip-ratio",
+                )
+        declared += info.file_size
+        if declared > limits.max_source_bytes:
+            raise BundleError(
+                f"{name}: bundle files exceed {limits.max_source_bytes} bytes in total",
+                "prism:source-too-large",
+            )
+        out.append((info, norm))
+    return out
+
+
+def extract_zip(
+    path: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    limits: IntakeLimits = IntakeLimits(),
+) -> tuple[Path, Path]:
+    """Check every member of a zip against the intake rules, then extract it.
+
+    All members are checked (from the central directory) before a byte is written; extraction
+    then writes only regular files, with ``O_EXCL | O_NOFOLLOW``, counting the bytes actually
+    inflated. If the archive holds neither ``prism.yaml`` nor ``architecture.py`` at its top
+    but a single top-level folder, that folder is the bundle root (``zip -r b.zip mybundle/``).
+
+    Args:
+        path: the ``.zip`` file.
+        dest: an existing empty directory to extract into; default a fresh
+            ``tempfile.mkdtemp(prefix="prism-bundle-")``, which the caller owns and removes.
+        limits: intake limits.
+
+    Returns:
+        (bundle root, extraction directory); the root is the directory or a folder inside it.
+
+    Raises:
+        BundleError: ``prism:bundle-unreadable`` (cannot open), ``prism:bad-zip`` (not a zip,
+            corrupt or encrypted), ``prism:too-many-files``, ``prism:zip-absolute-path``,
+            ``prism:zip-parent-path``, ``prism:zip-escape``, ``prism:symlink``,
+            ``prism:special-file``, ``prism:zip-duplicate``, ``prism:bad-suffix``,
+            ``prism:zip-ratio``, ``prism:zip-too-large`` or ``prism:source-too-large``; the
+            message names the member. A directory this call created is removed first.
+    """
+    src = Path(path)
+    try:
+        zf = zipfile.ZipFile(src)
+    except zipfile.BadZipFile as exc:
+        raise BundleError(f"{src}: not a valid zip archive ({exc})", "prism:bad-zip") from None
+    except OSError as exc:
+        raise BundleError(f"{src}: cannot open ({exc.strerror})", "prism:bundle-unreadable") from None
+    created = dest is None
+    out = Path(tempfile.mkdtemp(prefix="prism-bundle-")) if dest is None else Path(dest)
+    try:
+        with zf:
+            members = _check_members(zf, limits)
+            target_root = out.resolve()
+            for info, norm in members:
+                target = target_root / norm
+                if not target.resolve().is_relative_to(target_root):
+                    raise BundleError(
+                        f"{info.filename}: member resolves outside the bundle", "prism:zip-escape"
+                    )
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _extract_member(zf, info, target, limits)
+        root = _bundle_root(out)
+        check_tree(root, limits)
+        return root, out
+    except BundleError:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError, ValueError, EOFError) as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise BundleError(f"{src}: corrupt or unsupported zip ({exc})", "prism:bad-zip") from None
+    except OSError as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise BundleError(
+            f"{src}: cannot extract ({exc.strerror or exc})", "prism:bundle-unreadable"
+        ) from None
+
+
+def _extract_member(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path, limits: IntakeLimits
+) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(target, flags, 0o644)
+    written = 0
+    with os.fdopen(fd, "wb") as out, zf.open(info) as member:
+        while chunk := member.read(64 * 1024):
+            written += len(chunk)
+            if written > info.file_size or written > limits.max_archive_bytes:
+                raise BundleError(
+                    f"{info.filename}: inflates past its declared size", "prism:zip-too-large"
+                )
+            out.write(chunk)
+
+
+def _bundle_root(out: Path) -> Path:
+    entries = [p for p in out.iterdir()]
+    if (out / SPEC_FILE).exists() or (out / DEFAULT_ARCHITECTURE[0]).exists():
+        return out
+    if len(entries) == 1 and entries[0].is_dir() and not entries[0].is_symlink():
+        return entries[0]
+    return out
+
+
+def open_bundle(
+    path: str | os.PathLike[str], limits: IntakeLimits = IntakeLimits()
+) -> tuple[Path, Path | None]:
+    """Intake a bundle directory or ``.zip``: apply the intake rules and return its root.
+
+    Returns:
+        (bundle root, extraction directory or ``None`` for a directory bundle). For a zip the
+        extraction directory is a fresh temporary directory owned by the caller, who removes
+        it (``shutil.rmtree``) when done with the bundle.
+
+    Raises:
+        BundleError: ``prism:bundle-unreadable`` when the path is neither a directory nor a
+            file, ``prism:bad-zip`` for a file that is not a zip, or the broken intake rule
+            (see :func:`check_tree` and :func:`extract_zip`).
+    """
+    p = Path(path)
+    if p.is_dir():
+        root = p.resolve()
+        check_tree(root, limits)
+        return root, None
+    if p.is_file():
+        return extract_zip(p, None, limits)
+    raise BundleError(f"{path}: no such bundle directory or .zip file", "prism:bundle-unreadable")
+
+
+def load_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Locate a bundle directory and check that both entrypoint files exist.
+
+    Raises:
+        BundleError: the path is not a directory (``prism:bundle-unreadable``), ``prism.yaml``
+            is malformed (``prism:spec``), or an entrypoint file is missing
+            (``prism:missing-entrypoint``, the file is named).
+    """
+    root = Path(path).resolve()
+    if not root.is_dir():
+        raise BundleError(f"{path}: not a bundle directory", "prism:bundle-unreadable")
+    arch, train, tokenizer = read_spec(root)
+    for ep, what in ((arch, "architecture"), (train, "training")):
+        if not (root / ep.file).is_file():
+            raise BundleError(
+                f"{ep.file}: missing {what} entrypoint file in bundle {root}",
+                "prism:missing-entrypoint",
+            )
+    return Bundle(root, arch, train, tokenizer, hash_tree(root))

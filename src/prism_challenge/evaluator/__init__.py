@@ -1,0 +1,7 @@
+"""The isolated run: launcher (trusted) -> runner + instrument (untrusted, per rank) <-> feeder.
+
+Modules: ``interface`` (PrismContext, the submission's only API), ``seeding`` (forced init),
+``instrument`` (the prequential loss of a batch), ``protocol`` (the socket framing),
+``feeder`` (trusted: builds batches, records losses), ``runner`` (untrusted: imports the
+bundle and calls ``train(ctx)``), ``launcher`` (trusted: starts torchrun).
+"""

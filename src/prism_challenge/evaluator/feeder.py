@@ -1,0 +1,564 @@
+"""The feeder: the trusted side of the stream. It cuts rows, serves batches, records losses.
+
+The parent process runs one :class:`Feeder`. Each rank's runner connects to its Unix socket and
+asks for batches one at a time. Step ``k``'s global batch is the next ``world_size * batch_size``
+rows of the one challenge-ordered stream, cut into contiguous per-rank slices; a rank gets step
+``k + 1`` only after the feeder holds its loss record for step ``k``. The feeder alone knows how
+many targets and UTF-8 bytes each batch covers: the runner reports nats and nothing else.
+
+Rows: ``seq_len`` tokens each; consecutive rows overlap by one token, so row ``i`` of the stream
+covers tokens ``[i*(T-1), i*(T-1)+T)`` and every token after the first is a target exactly once.
+When fewer than ``T`` tokens remain, the last ``n >= 2`` tokens form one final, shorter row
+(world size 1 only: a single row cannot be split across ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prism_challenge.data.stream import TokenChunk
+from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.protocol import Kind, ProtocolError
+from prism_challenge.evaluator.statedict import StateError, rebuild
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class Cut:
+    """A block of rows cut from the stream.
+
+    Attributes:
+        tokens: ``[R, T]`` int64 token ids (consecutive rows share one token).
+        target_bytes: ``[R]`` int64 UTF-8 bytes of each row's targets (positions ``1..T-1``).
+    """
+
+    tokens: np.ndarray
+    target_bytes: np.ndarray
+
+
+def prefetch(chunks: Iterator[TokenChunk], depth: int = 8) -> Iterator[TokenChunk]:
+    """Pull ``chunks`` on a background thread, up to ``depth`` ahead (trusted side only).
+
+    Tokenization then overlaps the launch of torchrun and the model's work. An exception in the
+    source is re-raised in the consumer.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = object()
+
+    def _pump() -> None:
+        try:
+            for chunk in chunks:
+                q.put(chunk)
+            q.put(stop)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            q.put(exc)
+
+    threading.Thread(target=_pump, name="prism-feeder-prefetch", daemon=True).start()
+
+    def _drain() -> Iterator[TokenChunk]:
+        while True:
+            item = q.get()
+            if item is stop:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    return _drain()
+
+
+class RowAssembler:
+    """Cuts overlapping rows from a token stream, honouring a token budget.
+
+    The budget counts stream tokens handed out (the leading token included): the stream is
+    truncated to its first ``token_budget`` tokens.
+    """
+
+    def __init__(self, chunks: Iterator[TokenChunk], token_budget: int | None = None):
+        self._chunks = chunks
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._nbytes = np.zeros(0, dtype=np.int64)
+        self._pos = 0  # buffer index of the next row's first token
+        self._base = 0  # stream index of the buffer's first token
+        self._budget = token_budget
+        self._served_any = False
+        self.budget_hit = False  # the budget, not the stream's end, stopped the stream
+
+    @property
+    def tokens_consumed(self) -> int:
+        """Stream tokens handed out so far (the token shared by two rows counted once)."""
+        return self._base + self._pos + 1 if self._served_any else 0
+
+    def _fill(self, need: int) -> int:
+        """Make ``need`` tokens available from the cursor if the stream and budget allow.
+
+        Returns the number of tokens available from the cursor.
+        """
+        limit = None if self._budget is None else self._budget - self._base
+        while len(self._ids) - self._pos < need and (limit is None or len(self._ids) < limit):
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            keep = self._pos
+            self._ids = np.concatenate([self._ids[keep:], np.asarray(chunk.ids, dtype=np.int64)])
+            self._nbytes = np.concatenate([self._nbytes[keep:], np.asarray(chunk.nbytes, dtype=np.int64)])
+            self._base += keep
+            self._pos = 0
+            if limit is not None:
+                limit -= keep
+        if limit is not None and len(self._ids) >= limit:
+            self._ids, self._nbytes = self._ids[:limit], self._nbytes[:limit]
+            self.budget_hit = True
+        return len(self._ids) - self._pos
+
+    def cut(self, rows: int, seq_len: int, allow_short_row: bool = True) -> Cut | None:
+        """Cut up to ``rows`` rows of ``seq_len`` tokens; ``None`` when no target is left.
+
+        Fewer rows come back at the end of the stream; with ``allow_short_row`` one final row of
+        ``2 <= n < seq_len`` tokens comes back when no full row is left.
+        """
+        stride = seq_len - 1
+        avail = self._fill(rows * stride + 1)
+        if avail < 2:
+            return None
+        full = min(rows, (avail - 1) // stride)
+        if full == 0:
+            if not allow_short_row:
+                return None
+            full, seq_len, stride = 1, avail, avail - 1
+        start = self._pos
+        span = self._ids[start : start + full * stride + 1]
+        tokens = np.lib.stride_tricks.sliding_window_view(span, seq_len)[::stride].copy()
+        tb = self._nbytes[start + 1 : start + 1 + full * stride].reshape(full, stride).sum(axis=1)
+        self._pos += full * stride
+        self._served_any = True
+        return Cut(tokens, tb)
+
+
+@dataclass
+class RankState:
+    """Per-rank bookkeeping on the trusted side."""
+
+    rank: int
+    sock: socket.socket
+    pid: int = 0
+    step: int = 0  # next step to serve
+    pending: dict[str, int] | None = None  # served, not yet recorded: {"step","targets","bytes"}
+    done: dict[str, Any] | None = None
+    ended: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+    left: bool = False  # the loop dropped the stream before its end
+    state_bytes: int = 0
+
+
+@dataclass
+class StepRecord:
+    """The loss of one global step, summed over ranks (float64)."""
+
+    step: int
+    nats: float
+    targets: int
+    bytes: int
+    finite: bool = True
+    ranks_reported: int = 0
+
+
+@dataclass
+class FeederResult:
+    """What the trusted side measured. Counts are summed over ranks; nats in float64."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    tokens_consumed: int = 0
+    stop_reason: str = ""
+    error: dict[str, Any] | None = None
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    nonfinite_batches: int = 0
+    first_batch_at: float | None = None
+    last_record_at: float | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)
+
+
+class FeederFailure(RuntimeError):
+    """The run failed on the trusted side's terms: ``stage`` and ``message`` say why."""
+
+    def __init__(self, stage: str, message: str, tb: str = ""):
+        super().__init__(f"{stage}: {message}")
+        self.stage, self.message, self.traceback = stage, message, tb
+
+
+class Feeder:
+    """Serves the stream to ``world_size`` runners over a Unix socket and records their losses.
+
+    Args:
+        socket_path: where to listen (must be short: Unix socket paths hold ~107 bytes).
+        chunks: the train token stream.
+        config: the run configuration sent to every runner (seed, tokenizer, ...).
+        world_size: number of ranks expected.
+        vocab_size: ``V``, for the non-finite charge of ``2 * ln V`` nats per target.
+        token_budget, step_budget: stream limits (``None``: none).
+        wall_clock_budget: seconds after ``start()`` after which no new step is served.
+        on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
+        max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        chunks: Iterator[TokenChunk],
+        config: dict[str, Any],
+        *,
+        world_size: int = 1,
+        vocab_size: int,
+        token_budget: int | None = None,
+        step_budget: int | None = None,
+        wall_clock_budget: float | None = None,
+        on_record: Callable[[StepRecord], None] | None = None,
+        max_state_bytes: int = 8 << 30,
+    ):
+        self.socket_path = socket_path
+        self.token = secrets.token_hex(16)
+        self.config = config
+        self.world_size = world_size
+        self.vocab_size = vocab_size
+        self.step_budget = step_budget
+        self.wall_clock_budget = wall_clock_budget
+        self.on_record = on_record
+        self.max_state_bytes = max_state_bytes
+        self.assembler = RowAssembler(prefetch(chunks), token_budget)
+        self.result = FeederResult()
+        self._lock = threading.Lock()
+        self._cuts: dict[int, list[Cut | None]] = {}
+        self._fetched: dict[int, int] = {}
+        self._records: dict[int, StepRecord] = {}
+        self._ranks: dict[int, RankState] = {}
+        self._threads: list[threading.Thread] = []
+        self._t0 = time.monotonic()
+        self._shape: tuple[int, int] | None = None
+        self.failed = threading.Event()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+        self._server.bind(socket_path)
+        self._server.listen(world_size + 4)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start accepting runners (in a background thread); the wall clock starts now."""
+        self._t0 = time.monotonic()
+        t = threading.Thread(target=self._accept_loop, name="prism-feeder-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        """Stop serving: close every connection and the listening socket."""
+        for st in list(self._ranks.values()):
+            try:
+                st.sock.close()
+            except OSError:
+                pass
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    def fail(self, stage: str, message: str, tb: str = "", rank: int | None = None) -> None:
+        """Record the first failure of the run (later ones are ignored)."""
+        with self._lock:
+            if self.result.error is None:
+                self.result.error = {"stage": stage, "message": message, "traceback": tb, "rank": rank}
+                self.result.stop_reason = "failed"
+        self.failed.set()
+
+    def all_done(self) -> bool:
+        """True once every rank reported DONE."""
+        with self._lock:
+            return len(self.result.done) == self.world_size
+
+    # -- serving -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while len(self._ranks) < self.world_size:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), name="prism-feeder-rank", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        st: RankState | None = None
+        try:
+            kind, hello, _ = protocol.recv(conn, max_payload=0)
+            if kind != Kind.HELLO or hello.get("token") != self.token:
+                conn.close()
+                return
+            rank = hello.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+                conn.close()
+                return
+            with self._lock:
+                if rank in self._ranks:
+                    conn.close()
+                    return
+                st = self._ranks[rank] = RankState(rank, conn, int(hello.get("pid") or 0))
+            protocol.send(conn, Kind.CONFIG, self.config)
+            while True:
+                limit = protocol.MAX_STATE_TENSOR_BYTES if st.rank == 0 else 0
+                kind, header, payload = protocol.recv(conn, max_payload=limit)
+                st.last_active = time.monotonic()
+                if kind == Kind.NEXT:
+                    self._on_next(st, header)
+                elif kind == Kind.RECORD:
+                    self._on_record(st, header)
+                elif kind == Kind.ERROR:
+                    self.fail(
+                        str(header.get("stage", "train"))[:64],
+                        str(header.get("message", ""))[:4000],
+                        str(header.get("traceback", ""))[:20000],
+                        rank=st.rank,
+                    )
+                elif kind == Kind.EVENT:
+                    if header.get("event") == "left" and not st.ended:
+                        st.left = True
+                        if self.world_size > 1:
+                            self._check_lockstep()
+                elif kind == Kind.STATE and st.rank == 0:
+                    self._on_state(st, header, payload)
+                elif kind == Kind.DONE:
+                    self._on_done(st, header)
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} frame from rank {st.rank}")
+        except ProtocolError as exc:
+            if st is not None and st.done is None and not self.failed.is_set():
+                self.fail("runner", f"rank {st.rank}: {exc}", rank=st.rank)
+        except OSError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a trusted-side fault (data, tokenizer) fails the run
+            self.fail("data", f"{type(exc).__name__}: {exc}")
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _on_next(self, st: RankState, header: dict[str, Any]) -> None:
+        if st.pending is not None:
+            raise ProtocolError(
+                f"rank {st.rank} asked for batch {st.step} before reporting the loss of batch {st.pending['step']}"
+            )
+        try:
+            b, t = int(header["batch_size"]), int(header["seq_len"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("NEXT needs integer batch_size and seq_len") from None
+        with self._lock:
+            if self._shape is None:
+                self._shape = (b, t)
+            elif self._shape != (b, t):
+                raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
+        if self.world_size > 1 and self._check_lockstep(st):
+            return
+        with self._lock:
+            piece = self._piece(st, b, t)
+        if piece is None:
+            st.ended = True
+            protocol.send(st.sock, Kind.END, {"reason": self.result.stop_reason})
+            return
+        tokens, nbytes = piece
+        st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
+        if self.result.first_batch_at is None:
+            self.result.first_batch_at = time.monotonic()
+        protocol.send(
+            st.sock,
+            Kind.BATCH,
+            {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])},
+            memoryview(tokens).cast("B"),
+        )
+        st.step += 1
+
+    def _piece(self, st: RankState, b: int, t: int) -> tuple[np.ndarray, int] | None:
+        """This rank's slice of the global batch of its next step (caller holds the lock)."""
+        step = st.step
+        if step not in self._cuts:
+            cut = self._next_cut(step, b, t)
+            if cut is None:
+                self._cuts[step] = [None] * self.world_size
+            else:
+                rows = cut.tokens.shape[0]
+                bounds = [rows * r // self.world_size for r in range(self.world_size + 1)]
+                self._cuts[step] = [
+                    Cut(cut.tokens[bounds[r] : bounds[r + 1]], cut.target_bytes[bounds[r] : bounds[r + 1]])
+                    for r in range(self.world_size)
+                ]
+            self._fetched[step] = 0
+        piece = self._cuts[step][st.rank]
+        self._fetched[step] += 1
+        if self._fetched[step] == self.world_size:
+            del self._cuts[step], self._fetched[step]
+        if piece is None:
+            return None
+        return piece.tokens, int(piece.target_bytes.sum())
+
+    def _next_cut(self, step: int, b: int, t: int) -> Cut | None:
+        r = self.result
+        if r.stop_reason:
+            return None
+        if self.step_budget is not None and step >= self.step_budget:
+            r.stop_reason = "step_budget"
+            return None
+        if self.wall_clock_budget is not None and time.monotonic() - self._t0 >= self.wall_clock_budget:
+            r.stop_reason = "wall_clock_budget"
+            return None
+        n = self.world_size
+        cut = self.assembler.cut(n * b, t, allow_short_row=(n == 1))
+        if cut is None or cut.tokens.shape[0] < n:
+            r.stop_reason = "token_budget" if self.assembler.budget_hit else "stream_exhausted"
+            return None
+        r.tokens_consumed = self.assembler.tokens_consumed
+        return cut
+
+    def _on_record(self, st: RankState, header: dict[str, Any]) -> None:
+        pending = st.pending
+        if pending is None or header.get("step") != pending["step"]:
+            raise ProtocolError(f"rank {st.rank} sent a loss record for a batch it was not given")
+        nats = header.get("nats")
+        finite = isinstance(nats, (int, float)) and not isinstance(nats, bool) and math.isfinite(nats)
+        if not finite:
+            nats = 2.0 * math.log(self.vocab_size) * pending["targets"]
+        st.pending = None
+        with self._lock:
+            rec = self._records.setdefault(pending["step"], StepRecord(pending["step"], 0.0, 0, 0))
+            rec.nats += float(nats)
+            rec.targets += pending["targets"]
+            rec.bytes += pending["bytes"]
+            rec.finite &= finite
+            rec.ranks_reported += 1
+            if not finite:
+                self.result.nonfinite_batches += 1
+            self.result.last_record_at = time.monotonic()
+            if rec.ranks_reported == self.world_size:
+                self.result.steps.append(rec)
+                del self._records[rec.step]
+                if self.on_record is not None:
+                    self.on_record(rec)
+
+    def _on_state(self, st: RankState, header: dict[str, Any], payload: bytearray) -> None:
+        st.state_bytes += len(payload)
+        if st.state_bytes > self.max_state_bytes:
+            raise ProtocolError(f"the scored model's state exceeds {self.max_state_bytes} bytes")
+        try:
+            name, tensor = rebuild(header, payload)
+        except StateError as exc:
+            raise ProtocolError(str(exc)) from None
+        if name in self.result.state:
+            raise ProtocolError(f"state tensor {name!r} sent twice")
+        self.result.state[name] = tensor
+
+    def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
+        with self._lock:
+            st.done = header
+            self.result.done[st.rank] = header
+            if not st.ended and not self.result.stop_reason:
+                self.result.stop_reason = "loop_stopped"
+        if self.world_size > 1:
+            self._check_lockstep()
+            self._check_states()
+
+    def _check_lockstep(self, asking: RankState | None = None) -> bool:
+        """Fail when a rank left the stream while another rank went on (world size > 1).
+
+        A rank that returned from ``train`` without reaching the end of the stream (``left``)
+        after ``n`` batches is out of step with any rank that took, or now asks for, batch ``n``.
+        Returns True when the run was failed.
+        """
+        with self._lock:
+            left = {r: s.step for r, s in self._ranks.items() if (s.left or s.done is not None) and not s.ended}
+            if not left:
+                return False
+            r, n = min(left.items(), key=lambda kv: kv[1])
+            ahead = sorted(q for q, s in self._ranks.items() if s.step > n or (s is asking and s.step >= n))
+        if not ahead:
+            return False
+        self.fail(
+            "contract",
+            f"rank {r} left ctx.iter_train_batches after {n} batch(es) while rank(s) {ahead} went on; "
+            f"at world size {self.world_size} every rank must consume the same number of batches",
+            rank=r,
+        )
+        return True
+
+    def _check_states(self) -> None:
+        """Once every rank is done, all reported state digests must agree."""
+        with self._lock:
+            if len(self.result.done) < self.world_size:
+                return
+            digests = {r: d.get("state_sha256") for r, d in self.result.done.items()}
+        groups: dict[Any, list[int]] = {}
+        for r, dg in sorted(digests.items()):
+            groups.setdefault(dg, []).append(r)
+        if len(groups) > 1:
+            ref = groups.get(digests[0], [0])
+            odd = sorted(r for r in digests if r not in ref)
+            self.fail(
+                "consistency",
+                f"the scored model's state_dict differs across ranks: rank(s) {odd} disagree with rank 0 "
+                f"(ranks must stay identical, e.g. through DDP)",
+            )
+
+    def check_stall(self, timeout: float) -> tuple[str, str, int] | None:
+        """A rank silent for ``timeout`` s while the others moved on (world size > 1).
+
+        Returns (stage, message, rank) describing the failure, or ``None``. Two cases: another
+        rank already left the stream (the silent rank is most likely blocked in a collective the
+        leaver never joins), or another rank is ahead of it (the silent rank hangs).
+        """
+        if self.world_size < 2:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            ranks = list(self._ranks.values())
+        for st in ranks:
+            if st.done is not None or st.left or st.ended or now - st.last_active < timeout:
+                continue
+            quiet = now - st.last_active
+            leavers = [o for o in ranks if (o.left or o.done is not None) and not o.ended]
+            if leavers:
+                o = min(leavers, key=lambda x: x.step)
+                return (
+                    "contract",
+                    f"rank {o.rank} left ctx.iter_train_batches after {o.step} batch(es) while rank {st.rank} "
+                    f"was still iterating (silent for {quiet:.0f} s); at world size {self.world_size} every rank "
+                    f"must consume the same number of batches",
+                    o.rank,
+                )
+            if any(o is not st and (o.step > st.step or o.done is not None) for o in ranks):
+                return (
+                    "consistency",
+                    f"rank {st.rank} made no progress for {quiet:.0f} s while other ranks were ahead (hung or out of step)",
+                    st.rank,
+                )
+        return None
+
+    def finish(self) -> FeederResult:
+        """Close and return the result; steps some ranks did not report are dropped."""
+        self.close()
+        with self._lock:
+            self.result.steps.sort(key=lambda s: s.step)
+            if self.result.steps and not self.result.tokens_consumed:
+                self.result.tokens_consumed = self.assembler.tokens_consumed
+            return self.result

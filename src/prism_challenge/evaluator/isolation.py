@@ -1,0 +1,944 @@
+"""Process isolation for the submission's process tree: a sandbox prefix, limits, a guard.
+
+``strict`` puts ``torchrun`` and every rank in a sandbox built from Linux namespaces:
+
+* **network**: an empty network namespace; only loopback is up (torchrun's local rendezvous and
+  gloo work, nothing outside the sandbox is reachable, not even the host's loopback);
+* **filesystem**: the whole tree read-only; writable: the run's artifacts directory (bind) and a
+  private ``/tmp`` (a host ``tmp_dir`` bound there, or a size-capped tmpfs); a private,
+  size-capped ``/dev/shm``; the bundle and the feeder socket's directory read-only; every
+  ``hidden`` path (data directory, token caches, salts, ...) replaced by an empty tmpfs (a file:
+  by an empty file of mode 000), so it cannot be read;
+* **processes**: a new pid namespace (the tree is killed with its init), a new session, a new
+  ``/proc``, IPC and UTS namespaces, and death with the parent;
+* **identity**: when PRISM runs as root, the submission runs as a dedicated unprivileged uid
+  (:func:`pick_sandbox_uid`) with no capabilities and ``no_new_privs``. A path the sandbox must
+  reach (interpreter, site-packages, bundle, artifacts) below a directory that uid cannot
+  traverse (``/root`` is mode 0700) is reached through a tmpfs laid over that directory and a
+  read-only bind of just the needed path, so everything else there stays invisible.
+
+Backends: Debian's ``bubblewrap`` (``bwrap``) when it works, else ``unshare(1)`` from util-linux
+plus a small helper (:data:`_HELPER`, run with ``python -S``) that performs the same mounts with
+``mount(2)``/``mount_setattr(2)``, brings loopback up and drops privileges. :func:`available_backend`
+probes by actually running a sandbox; ``strict`` with neither working raises
+:class:`IsolationError` (fail closed).
+
+What contains what (measured on Linux 6.x as root; see ``tests/test_isolation.py``):
+
+* **fork bomb**: ``RLIMIT_NPROC`` counts every task (process or thread) of the sandbox uid; the
+  kernel refuses the next ``fork`` with ``EAGAIN``. The kernel exempts uid 0 from that limit
+  whatever its capabilities, so it only holds because the submission runs as its own non-root uid
+  (as root) or as the invoking user (not root: then the limit counts all that user's tasks, so
+  PRISM leaves it off unless asked). :class:`Guard` also counts the sandbox's tasks and reports
+  ``process limit`` when they reach it, so the parent kills the tree instead of waiting.
+* **memory bomb**: ``RLIMIT_AS`` per process (the allocation fails: ``MemoryError`` or torch's
+  ``can't allocate memory``). It is per process, so the worst case is the limit times the
+  process count; CUDA reserves huge virtual ranges, so leave it off (``None``) on GPUs.
+* **disk**: ``RLIMIT_FSIZE`` per file (Python ignores ``SIGXFSZ``: the write fails with
+  ``EFBIG``), size-capped tmpfs for ``/tmp`` and ``/dev/shm``, and :class:`Guard`'s quota on the
+  artifacts directory (and a host ``tmp_dir``), polled by the parent.
+* **time**: the parent's watch loop; :meth:`Guard.kill` and killing the sandbox's init take the
+  whole tree down (a pid namespace dies with its init, and setsid() cannot escape it).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("strict", "none")
+BACKENDS = ("bwrap", "unshare")
+ENV_BACKEND = "PRISM_ISOLATION_BACKEND"  # force "bwrap" or "unshare" (tests, debugging)
+
+SANDBOX_UID_MIN = 200_000  # dedicated uids for sandboxes (no passwd entry needed)
+SANDBOX_UID_SPAN = 50_000
+DEFAULT_TMP_BYTES = 512 << 20  # private /tmp tmpfs
+DEFAULT_SHM_BYTES = 1 << 30  # private /dev/shm tmpfs
+HIDDEN_TMPFS_BYTES = 4096
+ANCESTOR_TMPFS_BYTES = 1 << 20
+PROBE_TIMEOUT_S = 20.0
+
+__all__ = [
+    "BACKENDS",
+    "MODES",
+    "Guard",
+    "IsolationError",
+    "Limits",
+    "QuotaExceeded",
+    "artifacts_usage",
+    "available_backend",
+    "check_quota",
+    "kill_uid",
+    "limits_preexec",
+    "pick_sandbox_uid",
+    "probe",
+    "sandbox_prefix",
+    "tasks_of_uid",
+]
+
+
+class IsolationError(RuntimeError):
+    """Strict isolation was requested but cannot be provided (no working backend, bad paths)."""
+
+
+class QuotaExceeded(RuntimeError):
+    """The artifacts directory (plus a host tmp dir) holds more than its quota."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of every process in the sandbox (``None``: not limited).
+
+    Attributes:
+        address_space_bytes: ``RLIMIT_AS`` per process, bytes (leave ``None`` on CUDA).
+        max_processes: ``RLIMIT_NPROC``: tasks (processes and threads) of the sandbox uid.
+        max_file_bytes: ``RLIMIT_FSIZE``: largest file a process may write, bytes (the runner's
+            stdout/stderr log included).
+        max_open_files: ``RLIMIT_NOFILE`` per process.
+    """
+
+    address_space_bytes: int | None = None
+    max_processes: int | None = None
+    max_file_bytes: int | None = None
+    max_open_files: int | None = None
+
+    def rlimits(self) -> list[tuple[int, int]]:
+        """``[(resource.RLIMIT_*, value)]`` of the limits that are set (plus no core dumps)."""
+        out = [(resource.RLIMIT_CORE, 0)]
+        for res, value in (
+            (resource.RLIMIT_AS, self.address_space_bytes),
+            (resource.RLIMIT_NPROC, self.max_processes),
+            (resource.RLIMIT_FSIZE, self.max_file_bytes),
+            (resource.RLIMIT_NOFILE, self.max_open_files),
+        ):
+            if value is not None:
+                if value < 1:
+                    raise ValueError(f"resource limit {res}: {value} must be positive")
+                out.append((res, int(value)))
+        return out
+
+
+# -------------------------------------------------------------------------------------------
+# The in-sandbox helper. Run as ``python -S -c _HELPER SPEC -- argv...``: standard library only,
+# no site, so it starts in ~10 ms and imports nothing from the bundle or the package.
+# -------------------------------------------------------------------------------------------
+_HELPER = r"""
+import ctypes, fcntl, json, os, resource, signal, socket, struct, sys
+spec = json.loads(sys.argv[1])
+argv = sys.argv[3:]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+
+def die(msg):
+    os.write(2, ("prism-sandbox: " + msg + "\n").encode())
+    os._exit(126)
+
+def b(s):
+    return None if s is None else os.fsencode(s)
+
+def mount(src, dst, fstype, flags, data=None):
+    if libc.mount(b(src), b(dst), b(fstype), flags, b(data)) != 0:
+        e = ctypes.get_errno()
+        die("mount %s on %s: %s" % (src, dst, os.strerror(e)))
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64), ("prop", ctypes.c_uint64), ("userns", ctypes.c_uint64)]
+
+def ro_recursive(path):
+    # mount_setattr(2) (Linux 5.12+, syscall 442 on every architecture but alpha), AT_RECURSIVE
+    attr = MountAttr(1, 0, 0, 0)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(442, -100, b(path), 0x8000, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+        return
+    e = ctypes.get_errno()
+    if e not in (38, 22, 1):  # ENOSYS, EINVAL, EPERM: fall back to one remount per mount
+        die("mount_setattr %s read-only: %s" % (path, os.strerror(e)))
+    prefix = path.rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    for row in rows:
+        mp = row[4].encode().decode("unicode_escape")
+        if mp != path and not mp.startswith(prefix):
+            continue
+        opts = row[5].split(",")
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for name, bit in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC)):
+            if name in opts:
+                flags |= bit
+        if libc.mount(None, b(mp), None, flags, None) != 0:
+            e = ctypes.get_errno()
+            if e not in (2, 20):  # vanished or overmounted
+                die("remount %s read-only: %s" % (mp, os.strerror(e)))
+
+def mkdirs(path, mode=0o755):
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for p in parts:
+        cur += "/" + p
+        if not os.path.lexists(cur):
+            os.mkdir(cur, mode)
+            os.chmod(cur, mode)
+
+def do_mounts(ops):
+    fds, isdir = {}, {}
+    for op in ops:  # open every bind source before anything is covered
+        if op[0] == "bind" and op[1] not in fds:
+            fds[op[1]] = os.open(op[1], os.O_PATH | os.O_CLOEXEC)
+            isdir[op[1]] = os.path.isdir(op[1])
+    for op in ops:
+        kind = op[0]
+        if kind == "ro_all":
+            ro_recursive("/")
+        elif kind == "proc":
+            mount("proc", op[1], "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif kind == "tmpfs":
+            _, path, size, mode = op
+            mkdirs(path)
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=%o" % (size, mode))
+        elif kind == "dir":
+            mkdirs(op[1])
+            os.chmod(op[1], op[2])
+        elif kind == "bind":
+            _, src, dst, ro = op
+            if isdir[src]:
+                mkdirs(dst)
+            elif not os.path.lexists(dst):
+                mkdirs(os.path.dirname(dst))
+                os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o644))
+            mount("/proc/self/fd/%d" % fds[src], dst, None, MS_BIND | MS_REC)
+            if ro:
+                ro_recursive(dst)
+            else:  # a bind copies the source mount's read-only flag: clear it on the top mount
+                mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+        else:
+            die("unknown mount op %r" % (kind,))
+    for fd in fds.values():
+        os.close(fd)
+
+def lo_up():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    ifr = struct.pack("16sH22x", b"lo", 0)
+    flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, ifr))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 0x1 | 0x40))
+    s.close()
+
+if spec.get("pdeathsig"):
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != spec["pdeathsig"]:
+        os._exit(137)
+os.umask(0o022)
+if spec.get("mounts"):
+    os.umask(0)
+    do_mounts(spec["mounts"])
+    os.umask(0o022)
+if spec.get("lo"):
+    lo_up()
+if spec.get("init"):
+    # pid 1 of the new pid namespace: start the command, reap every orphan, exit with its status
+    child = os.fork()
+    if child:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: os.kill(child, signal.SIGKILL))
+        code = 1
+        while True:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if pid == child:
+                code = os.waitstatus_to_exitcode(status)
+                code = code if code >= 0 else 128 - code
+                break
+        os._exit(code)  # the namespace dies with its init: every other process is killed
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+if spec.get("setsid"):
+    try:
+        os.setsid()
+    except OSError:
+        pass
+for res, value in spec.get("rlimits", []):
+    try:
+        resource.setrlimit(res, (value, value))
+    except (ValueError, OSError) as exc:
+        die("setrlimit %d=%d: %s" % (res, value, exc))
+for key, value in spec.get("env", {}).items():
+    os.environ[key] = value
+uid, gid = spec.get("uid"), spec.get("gid")
+if spec.get("capbset"):
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last capability
+if gid is not None:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+if uid is not None:
+    os.setresuid(uid, uid, uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        die("could not drop to uid %d" % uid)
+if spec.get("dropcaps"):
+    class Hdr(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(ctypes.byref(Hdr(0x20080522, 0)), data) != 0:
+        die("capset: %s" % os.strerror(ctypes.get_errno()))
+if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+    die("no_new_privs: %s" % os.strerror(ctypes.get_errno()))
+try:
+    os.chdir(spec.get("chdir") or os.getcwd())
+except OSError:
+    os.chdir("/")
+try:
+    os.execvp(argv[0], argv)
+except OSError as exc:
+    die("exec %s: %s" % (argv[0], exc))
+"""
+
+
+def _helper_argv(spec: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-S", "-c", _HELPER, json.dumps(spec, separators=(",", ":")), "--"]
+
+
+# -------------------------------------------------------------------------------------------
+# Identity
+# -------------------------------------------------------------------------------------------
+def _uids_in_use() -> set[int]:
+    used: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                used.add(os.stat(entry.path).st_uid)
+            except OSError:
+                pass
+    return used
+
+
+def pick_sandbox_uid(seed: int | None = None) -> int:
+    """A dedicated unprivileged uid for one sandbox: no running process has it now.
+
+    Uids ``SANDBOX_UID_MIN .. SANDBOX_UID_MIN + SANDBOX_UID_SPAN - 1`` (200000..249999), starting
+    at ``seed`` (default: this process's pid) modulo the span, so concurrent harnesses rarely
+    collide; no passwd entry is needed. The gid is the same number.
+
+    Raises:
+        IsolationError: every uid of the range is in use.
+    """
+    used = _uids_in_use()
+    start = (os.getpid() if seed is None else seed) % SANDBOX_UID_SPAN
+    for k in range(SANDBOX_UID_SPAN):
+        uid = SANDBOX_UID_MIN + (start + k) % SANDBOX_UID_SPAN
+        if uid not in used:
+            return uid
+    raise IsolationError("no free sandbox uid in 200000..249999")
+
+
+# -------------------------------------------------------------------------------------------
+# The mount plan (one plan, rendered for bwrap or for the helper)
+# -------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    ops: list[tuple] = field(default_factory=list)  # ("tmpfs", path, size, mode) | ("dir", path, mode)
+    # | ("bind", src, dst, ro)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _traversable(path: str, uid: int, gid: int) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _default_readable() -> list[str]:
+    """Paths the sandboxed interpreter needs: its prefixes, the executable, ``sys.path``."""
+    out = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    out += [p for p in sys.path if p and os.path.isabs(p)]
+    import prism_challenge
+
+    out.append(str(Path(prism_challenge.__file__).resolve().parents[1]))
+    seen, uniq = set(), []
+    for p in out:
+        rp = os.path.realpath(p)
+        if os.path.exists(rp) and rp not in seen:
+            seen.add(rp)
+            uniq.append(rp)
+    return uniq
+
+
+def _plan(
+    *,
+    writable: Sequence[str],
+    hidden: Sequence[str],
+    tmp_dir: str | None,
+    socket_dir: str | None,
+    bundle_dir: str | None,
+    readable: Sequence[str],
+    uid: int | None,
+    gid: int | None,
+    tmp_bytes: int,
+    shm_bytes: int,
+) -> _Plan:
+    plan = _Plan()
+    plan.ops.append(("tmpfs", "/dev/shm", shm_bytes, 0o1777))
+    if tmp_dir is not None:
+        plan.ops.append(("bind", tmp_dir, "/tmp", False))
+    else:
+        plan.ops.append(("tmpfs", "/tmp", tmp_bytes, 0o1777))
+    replaced = ["/tmp"]  # areas whose host content is gone inside the sandbox
+
+    needed: list[tuple[str, bool]] = [(p, True) for p in readable]
+    if bundle_dir:
+        needed.append((bundle_dir, True))
+    if socket_dir:
+        needed.append((socket_dir, True))
+    needed += [(p, False) for p in writable]
+    for h in hidden:
+        for p, ro in needed:
+            if ro is False or p in (bundle_dir, socket_dir):
+                if _under(p, h):
+                    raise IsolationError(f"hidden path {h} contains {p}, which the sandbox needs")
+    needed = [(p, ro) for p, ro in needed if not any(_under(p, h) for h in hidden)]
+
+    if uid is not None:  # lay a tmpfs over each directory the sandbox uid cannot traverse
+        gid = uid if gid is None else gid
+        for p, _ro in needed:
+            if any(_under(p, r) for r in replaced):
+                continue
+            parts = Path(p).parts
+            for i in range(2, len(parts)):  # ancestors below "/", down to the parent
+                anc = str(Path(*parts[:i]))
+                if not _traversable(anc, uid, gid):
+                    if not any(_under(anc, r) for r in replaced):
+                        plan.ops.append(("tmpfs", anc, ANCESTOR_TMPFS_BYTES, 0o755))
+                        replaced.append(anc)
+                    break
+
+    binds: list[tuple[str, bool]] = []
+    for p, ro in needed:
+        if not ro or any(_under(p, r) for r in replaced) or p in (bundle_dir, socket_dir):
+            binds.append((p, ro))
+    binds.sort(key=lambda b: (len(Path(b[0]).parts), b[0]))
+    # a read-only bind inside another read-only bind shows the same files: drop it
+    binds = [(p, ro) for p, ro in binds
+             if not (ro and any(q != p and qro and _under(p, q) for q, qro in binds))]
+    made: set[str] = set()
+    done: list[str] = []
+    for p, ro in binds:
+        # the deepest tmpfs or earlier bind holding p: inside a tmpfs, create the missing
+        # intermediate directories with mode 0755 (else they would be 0700)
+        holders = [(r, "tmpfs") for r in replaced if _under(p, r) and p != r]
+        holders += [(q, "bind") for q in done if _under(p, q) and p != q]
+        if holders:
+            holder, kind = max(holders, key=lambda x: len(x[0]))
+            if kind == "tmpfs":
+                cur = holder
+                for part in Path(p).relative_to(holder).parts[:-1]:
+                    cur = os.path.join(cur, part)
+                    if cur not in made:
+                        plan.ops.append(("dir", cur, 0o755))
+                        made.add(cur)
+        plan.ops.append(("bind", p, p, ro))
+        done.append(p)
+
+    bound = [p for p, _ in binds]
+    for h in hidden:
+        if not os.path.lexists(h):
+            continue
+        visible = any(_under(h, b) for b in bound) or not any(_under(h, r) for r in replaced)
+        if not visible:
+            continue
+        if os.path.isdir(h):
+            plan.ops.append(("tmpfs", h, HIDDEN_TMPFS_BYTES, 0o000))
+        else:
+            plan.ops.append(("bind", _blank_file(), h, True))
+    return plan
+
+
+def _blank_file() -> str:
+    """An empty file of mode 000 owned by this uid, bound over hidden files (reads fail)."""
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / f"prism-blank-{os.geteuid()}"
+    f = d / "blank"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise IsolationError(f"{d}: not a directory of this user")
+        os.chmod(d, 0o700)
+        if not f.is_file() or f.is_symlink() or f.stat().st_size:
+            f.unlink(missing_ok=True)
+            f.touch()
+        os.chmod(f, 0)
+    except OSError as exc:
+        raise IsolationError(f"cannot prepare the blank file for hidden paths: {exc}") from None
+    return str(f)
+
+
+def _render_bwrap(plan: _Plan) -> list[str]:
+    out: list[str] = []
+    for op in plan.ops:
+        if op[0] == "tmpfs":
+            out += ["--size", str(op[2]), "--perms", f"{op[3]:04o}", "--tmpfs", op[1]]
+        elif op[0] == "dir":
+            out += ["--perms", f"{op[2]:04o}", "--dir", op[1]]
+        elif op[0] == "bind":
+            out += ["--ro-bind" if op[3] else "--bind", op[1], op[2]]
+    return out
+
+
+def _gpu_devices() -> list[str]:
+    return sorted(p for p in glob.glob("/dev/nvidia*") + glob.glob("/dev/dri") if os.path.exists(p))
+
+
+def _prefix(
+    backend: str,
+    plan: _Plan,
+    *,
+    uid: int | None,
+    gid: int | None,
+    limits: Limits | None,
+) -> list[str]:
+    root = os.geteuid() == 0
+    spec: dict[str, Any] = {"setsid": True, "rlimits": limits.rlimits() if limits else []}
+    env = {"TMPDIR": "/tmp"}
+    if uid is not None:
+        spec["uid"], spec["gid"] = uid, (uid if gid is None else gid)
+        env.update({"HOME": "/tmp", "USER": "prism", "LOGNAME": "prism"})
+    spec["env"] = env
+    if backend == "bwrap":
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise IsolationError("bwrap is not installed")
+        argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
+                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if root:
+            argv += ["--cap-drop", "ALL"]
+            if uid is not None:
+                argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+                spec["capbset"] = True
+        argv += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+        for dev in _gpu_devices():
+            argv += ["--dev-bind", dev, dev]
+        argv += _render_bwrap(plan)
+        argv.append("--")
+        return argv + _helper_argv(spec)
+    if backend == "unshare":
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            raise IsolationError("unshare is not installed")
+        outer = _helper_argv({"pdeathsig": os.getpid()})
+        argv = [unshare]
+        if not root:
+            argv += ["--user", "--map-root-user"]
+        argv += ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                 "--propagation", "private", "--"]
+        inner = dict(spec)
+        inner["mounts"] = [("ro_all",), ("proc", "/proc")] + plan.ops
+        inner["lo"] = True
+        inner["init"] = True
+        inner["capbset"] = True
+        inner["dropcaps"] = True
+        return outer + argv + _helper_argv(inner)
+    raise IsolationError(f"unknown isolation backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def _chown_for(uid: int, gid: int, writable: Iterable[str], tmp_dir: str | None, socket_dir: str | None) -> None:
+    for p in list(writable) + ([tmp_dir] if tmp_dir else []):
+        os.chown(p, uid, gid)
+        os.chmod(p, 0o700)
+    if socket_dir:
+        st = os.stat(socket_dir)
+        if not _traversable(socket_dir, uid, gid):
+            os.chmod(socket_dir, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+        for entry in os.scandir(socket_dir):
+            if entry.is_socket():
+                os.chown(entry.path, uid, gid)
+
+
+def sandbox_prefix(
+    mode: str,
+    *,
+    writable: Sequence[Path | str],
+    hidden: Sequence[Path | str],
+    tmp_dir: Path | str | None,
+    socket_dir: Path | str | None,
+    bundle_dir: Path | str | None,
+    readable: Sequence[Path | str] | None = None,
+    limits: Limits | None = None,
+    uid: int | None = None,
+    backend: str | None = None,
+    tmp_bytes: int = DEFAULT_TMP_BYTES,
+    shm_bytes: int = DEFAULT_SHM_BYTES,
+) -> list[str]:
+    """The argv prefix that runs a command in the sandbox (``[]`` for mode ``"none"``).
+
+    Put it before ``python -m torch.distributed.run ...``. For ``strict`` see the module
+    docstring for what the sandbox allows. Side effects (strict, as root): the ``writable``
+    directories and ``tmp_dir`` are chowned to the sandbox uid (mode 0700), every Unix socket
+    already in ``socket_dir`` is chowned to it (so create the feeder socket first), and
+    ``socket_dir`` gets ``o+x`` if the uid could not traverse it. The sandbox sees:
+
+    * ``writable`` (read-write, e.g. the artifacts directory), ``tmp_dir`` at ``/tmp``
+      (read-write; ``None``: a tmpfs of ``tmp_bytes``), a private ``/dev/shm`` of ``shm_bytes``;
+    * ``bundle_dir`` and ``socket_dir`` read-only (connecting to a socket needs no write access
+      to its directory), the interpreter and ``sys.path`` (``readable``, default: this
+      interpreter's prefixes and ``sys.path``), everything else read-only except ``hidden``;
+    * ``hidden``: directories as empty tmpfs (mode 000), files as an empty file of mode 000;
+      reading either fails (``EACCES``) once capabilities are dropped. Paths that do not exist
+      are skipped.
+
+    Args:
+        mode: ``"strict"`` or ``"none"``.
+        limits: rlimits applied inside the sandbox, right before the uid drop and ``exec``.
+        uid: the sandbox uid (root only); default :func:`pick_sandbox_uid`. Not root: the
+            sandbox keeps the invoking uid (bubblewrap or ``unshare --user`` map it).
+        backend: ``"bwrap"`` or ``"unshare"``; default :func:`available_backend`.
+
+    Raises:
+        IsolationError: unknown mode; strict with no working backend (the message says to
+            install bubblewrap or pass ``--isolation none``); a hidden path that contains a
+            writable path, the bundle or the socket directory.
+    """
+    if mode == "none":
+        return []
+    if mode != "strict":
+        raise IsolationError(f"isolation mode {mode!r}: expected one of {', '.join(MODES)}")
+    backend = backend or available_backend()
+    if backend is None:
+        raise IsolationError(
+            "strict isolation needs a working sandbox and none was found: install bubblewrap "
+            "(apt-get install bubblewrap) or make unshare(1) work (user namespaces), or run with "
+            "--isolation none for local work (the run is then not isolated)"
+        )
+    root = os.geteuid() == 0
+    if root and uid is None:
+        uid = pick_sandbox_uid()
+    if not root:
+        uid = None
+    gid = uid
+
+    def norm(p: Path | str | None) -> str | None:
+        return None if p is None else os.path.realpath(os.fspath(p))
+
+    w = [norm(p) for p in writable]
+    h = [norm(p) for p in hidden]
+    r = _default_readable() if readable is None else [norm(p) for p in readable]
+    t, s, bdir = norm(tmp_dir), norm(socket_dir), norm(bundle_dir)
+    for p in w + ([t] if t else []) + ([s] if s else []) + ([bdir] if bdir else []):
+        if not os.path.isdir(p):
+            raise IsolationError(f"{p}: not a directory (the sandbox binds it)")
+    plan = _plan(writable=w, hidden=h, tmp_dir=t, socket_dir=s, bundle_dir=bdir, readable=r,
+                 uid=uid, gid=gid, tmp_bytes=tmp_bytes, shm_bytes=shm_bytes)
+    if uid is not None:
+        _chown_for(uid, gid, w, t, s)
+    return _prefix(backend, plan, uid=uid, gid=gid, limits=limits)
+
+
+# -------------------------------------------------------------------------------------------
+# Probing
+# -------------------------------------------------------------------------------------------
+def probe(backend: str) -> tuple[bool, str]:
+    """Run ``python -S -c pass`` in a strict sandbox of ``backend``; (works, reason if not).
+
+    The probe uses the real flags (network, pid, mount namespaces, read-only root, the uid drop
+    as root), so a backend that passes it can run the real command.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="prism-probe-") as d:
+        wdir = Path(d) / "w"
+        wdir.mkdir()
+        try:
+            argv = sandbox_prefix("strict", writable=[wdir], hidden=[], tmp_dir=None, socket_dir=None,
+                                  bundle_dir=None, backend=backend)
+        except (IsolationError, OSError) as exc:
+            return False, str(exc)
+        code = "import os; open(os.path.join(%r, 'ok'), 'w').write('1')" % str(wdir)
+        try:
+            res = subprocess.run(argv + [sys.executable, "-S", "-c", code], capture_output=True,
+                                 timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return False, str(exc)
+        if res.returncode != 0 or not (wdir / "ok").is_file():
+            return False, (res.stderr.decode(errors="replace").strip().splitlines() or [f"exit {res.returncode}"])[-1]
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cached(backend: str) -> tuple[bool, str]:
+    return probe(backend)
+
+
+def available_backend() -> str | None:
+    """The first working sandbox backend, ``"bwrap"`` then ``"unshare"``; ``None`` if neither.
+
+    Each backend is probed once per process by running a real sandbox (:func:`probe`).
+    ``$PRISM_ISOLATION_BACKEND`` (``bwrap`` or ``unshare``) restricts the choice to one backend.
+    """
+    forced = os.environ.get(ENV_BACKEND)
+    order = [forced] if forced in BACKENDS else list(BACKENDS)
+    for backend in order:
+        if shutil.which("bwrap" if backend == "bwrap" else "unshare") and _probe_cached(backend)[0]:
+            return backend
+    return None
+
+
+# -------------------------------------------------------------------------------------------
+# Limits for a plain subprocess (mode "none", or the held-out process)
+# -------------------------------------------------------------------------------------------
+def limits_preexec(
+    *,
+    address_space_bytes: int | None = None,
+    max_processes: int | None = None,
+    max_file_bytes: int | None = None,
+    max_open_files: int | None = None,
+    die_with_parent: bool = True,
+) -> Callable[[], None]:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that sets rlimits in the child.
+
+    Sets ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` (soft = hard, so
+    the child cannot raise them), ``RLIMIT_CORE = 0``, and with ``die_with_parent`` a
+    ``PR_SET_PDEATHSIG`` of ``SIGKILL`` (the child dies when the thread that started it exits).
+    ``RLIMIT_NPROC`` has no effect on a process of uid 0 (the kernel exempts it); in strict mode
+    prefer ``sandbox_prefix(limits=...)``, which sets the same limits after the uid drop.
+    ``preexec_fn`` runs between fork and exec: with other threads running (the feeder) it is
+    only safe because it calls nothing but ``setrlimit`` and ``prctl``.
+
+    Raises:
+        ValueError: a non-positive limit.
+    """
+    limits = Limits(address_space_bytes, max_processes, max_file_bytes, max_open_files).rlimits()
+    parent = os.getpid()
+
+    def _apply() -> None:
+        for res, value in limits:
+            resource.setrlimit(res, (value, value))
+        if die_with_parent:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(137)
+
+    return _apply
+
+
+# -------------------------------------------------------------------------------------------
+# Quota and the parent's guard
+# -------------------------------------------------------------------------------------------
+def artifacts_usage(path: Path | str) -> int:
+    """Disk space used below ``path``, in bytes: allocated blocks (``st_blocks * 512``).
+
+    The same figure as ``du -s -B1 PATH``: directories included, each inode counted once (hard
+    links), symlinks not followed (their own blocks count), sparse holes not counted. A missing
+    path uses 0 bytes; entries that vanish during the walk are skipped.
+    """
+    return _usage(Path(path))[0]
+
+
+def _usage(path: Path) -> tuple[int, int]:
+    """(bytes, entries) below ``path``."""
+    seen: set[tuple[int, int]] = set()
+    total = entries = 0
+    stack = [os.fspath(path)]
+    first = True
+    while stack:
+        p = stack.pop()
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if not first:
+            entries += 1
+        first = False
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen.add(key)
+            total += st.st_blocks * 512
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                with os.scandir(p) as it:
+                    stack.extend(e.path for e in it)
+            except OSError:
+                continue
+    return total, entries
+
+
+def check_quota(paths: Iterable[Path | str], quota_bytes: int | None, max_entries: int | None = None) -> int:
+    """Raise if ``paths`` together use more than ``quota_bytes`` (or hold more entries).
+
+    Returns:
+        The bytes used (see :func:`artifacts_usage`).
+
+    Raises:
+        QuotaExceeded: naming the usage and the quota.
+    """
+    total = entries = 0
+    for p in paths:
+        b, n = _usage(Path(p))
+        total += b
+        entries += n
+    if quota_bytes is not None and total > quota_bytes:
+        raise QuotaExceeded(f"the artifacts directory uses {total} bytes, over its quota of {quota_bytes} bytes")
+    if max_entries is not None and entries > max_entries:
+        raise QuotaExceeded(f"the artifacts directory holds {entries} files, over its limit of {max_entries}")
+    return total
+
+
+def _proc_uid(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _threads(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def tasks_of_uid(uid: int) -> tuple[int, int]:
+    """(processes, tasks) whose owner is ``uid``; tasks count threads (what ``RLIMIT_NPROC`` counts)."""
+    procs = tasks = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and _proc_uid(entry.name) == uid:
+            procs += 1
+            tasks += _threads(entry.name)
+    return procs, tasks
+
+
+def kill_uid(uid: int, rounds: int = 50) -> int:
+    """SIGKILL every process owned by ``uid`` until none is left (root only); returns the count.
+
+    Only meaningful for a dedicated sandbox uid (:func:`pick_sandbox_uid`).
+    """
+    if uid == 0:
+        raise ValueError("kill_uid(0) would kill the host")
+    killed = 0
+    for _ in range(rounds):
+        pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and _proc_uid(e.name) == uid]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return killed
+
+
+class Guard:
+    """The parent's periodic checks on a running sandbox: disk quota and process count.
+
+    Call :meth:`check` from the watch loop (it does the work at most every ``interval_s``); a
+    non-``None`` reason means: kill the tree (:meth:`kill`, then the launcher's own kill) and
+    record the reason. :meth:`summary` is what goes in the run manifest.
+
+    Args:
+        paths: directories under the quota (the artifacts directory, a host ``tmp_dir``).
+        quota_bytes: most bytes those paths may use together (``None``: no quota).
+        max_entries: most files and directories they may hold (``None``: no limit).
+        uid: the sandbox uid (count and kill by uid), or ``None``.
+        max_processes: the ``RLIMIT_NPROC`` of the sandbox; reaching it is reported.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[Path | str],
+        *,
+        quota_bytes: int | None,
+        max_entries: int | None = None,
+        uid: int | None = None,
+        max_processes: int | None = None,
+        interval_s: float = 0.5,
+    ):
+        self.paths = [Path(p) for p in paths]
+        self.quota_bytes, self.max_entries = quota_bytes, max_entries
+        self.uid, self.max_processes = uid, max_processes
+        self.interval_s = interval_s
+        self._next = 0.0
+        self.peak_bytes = 0
+        self.peak_tasks = 0
+        self.reason: str | None = None
+
+    def check(self, now: float | None = None) -> str | None:
+        """Run the checks if ``interval_s`` passed; the first violation found, else ``None``."""
+        now = time.monotonic() if now is None else now
+        if self.reason is not None or now < self._next:
+            return self.reason
+        self._next = now + self.interval_s
+        try:
+            used = check_quota(self.paths, self.quota_bytes, self.max_entries)
+            self.peak_bytes = max(self.peak_bytes, used)
+        except QuotaExceeded as exc:
+            self.reason = f"quota: {exc}"
+            return self.reason
+        if self.uid is not None and self.max_processes is not None:
+            _, tasks = tasks_of_uid(self.uid)
+            self.peak_tasks = max(self.peak_tasks, tasks)
+            if tasks >= self.max_processes:
+                self.reason = (
+                    f"process limit: the sandbox reached {tasks} tasks (limit {self.max_processes}); "
+                    "a fork bomb was contained and stopped"
+                )
+        return self.reason
+
+    def kill(self) -> int:
+        """Kill every process of the sandbox uid (no-op without one); returns the count."""
+        return kill_uid(self.uid) if self.uid is not None else 0
+
+    def summary(self) -> dict[str, Any]:
+        """``{"uid", "quota_bytes", "peak_bytes", "max_processes", "peak_tasks", "reason"}``."""
+        return {
+            "uid": self.uid,
+            "quota_bytes": self.quota_bytes,
+            "peak_bytes": self.peak_bytes,
+            "max_processes": self.max_processes,
+            "peak_tasks": self.peak_tasks,
+            "reason": self.reason,
+        }
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m prism_challenge.evaluator.isolation``: print the backend and probe results."""
+    for backend in BACKENDS:
+        ok, why = probe(backend) if shutil.which("bwrap" if backend == "bwrap" else "unshare") else (False, "not installed")
+        print(f"{backend}: {'works' if ok else 'unavailable: ' + why}")
+    print(f"available_backend: {available_backend()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

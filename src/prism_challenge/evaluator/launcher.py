@@ -1,0 +1,114 @@
+"""The launcher: starts the runner under the real ``torchrun`` on one node.
+
+``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.runner``
+runs as a child process in its own process group (so the whole tree can be stopped), with
+stdout and stderr going to the run's log file. The environment fixes the thread count and
+cuBLAS's deterministic workspace before anything in the child starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_NPROC = 8
+RUNNER_MODULE = "prism_challenge.evaluator.runner"
+
+
+class LaunchError(ValueError):
+    """A launch request the challenge refuses (too many processes, several nodes, ...)."""
+
+
+def check_layout(nproc: int, nnodes: int = 1) -> None:
+    """Refuse anything but 1..8 processes on one node.
+
+    Raises:
+        LaunchError: naming the value and the rule.
+    """
+    if nnodes != 1:
+        raise LaunchError(f"--nnodes {nnodes}: PRISM runs on a single node (nnodes must be 1)")
+    if not 1 <= nproc <= MAX_NPROC:
+        raise LaunchError(f"--nproc {nproc}: must be between 1 and {MAX_NPROC} processes on one node")
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """The argv that starts ``nproc`` runner ranks under torchrun (same interpreter)."""
+    check_layout(nproc)
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "-m",
+        RUNNER_MODULE,
+    ]
+
+
+@dataclass
+class Launched:
+    """A started torchrun process tree."""
+
+    proc: subprocess.Popen
+    log_path: Path
+
+    def poll(self) -> int | None:
+        """Exit code of torchrun, or ``None`` while it runs."""
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        """Kill the whole process group (torchrun and every rank)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+
+def launch(
+    nproc: int,
+    env_extra: dict[str, str],
+    log_path: Path,
+    *,
+    threads: int,
+    cwd: Path,
+    wrap: list[str] | None = None,
+) -> Launched:
+    """Start torchrun with the runner module.
+
+    Args:
+        nproc: ranks on this node (1..8).
+        env_extra: variables for the runner (feeder socket and token).
+        log_path: file that receives the children's stdout and stderr.
+        threads: intra-op CPU threads per rank (``OMP_NUM_THREADS``).
+        cwd: working directory of the children (the run's artifacts directory).
+        wrap: an isolation prefix (e.g. a bubblewrap argv) placed before the command.
+
+    Raises:
+        LaunchError: the layout is refused.
+    """
+    cmd = (wrap or []) + torchrun_command(nproc)
+    env = dict(os.environ)
+    env.update(env_extra)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env["PYTHONHASHSEED"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TORCHELASTIC_ERROR_FILE"] = str(log_path.with_suffix(".error.json"))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    finally:
+        log.close()
+    return Launched(proc, log_path)

@@ -1,0 +1,82 @@
+"""Framing of the feeder socket between the trusted parent and each rank's runner.
+
+A frame is ``kind`` (1 byte), ``header length`` (4 bytes, little endian), ``payload length``
+(4 bytes), then a UTF-8 JSON header and a raw payload. Headers carry small records; the payload
+carries a batch's token ids. The trusted side never unpickles anything from the untrusted side
+and bounds every length it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from enum import IntEnum
+from typing import Any
+
+_PREFIX = struct.Struct("<BII")
+MAX_HEADER = 1 << 20  # 1 MiB: records and error reports are far smaller
+MAX_STATE_TENSOR_BYTES = (1 << 32) - 1  # one STATE frame: a tensor of the scored model
+
+
+class Kind(IntEnum):
+    """Frame kinds. R->F: runner to feeder; F->R: feeder to runner."""
+
+    HELLO = 1  # R->F {rank, local_rank, world_size, pid}
+    CONFIG = 2  # F->R the run configuration (seed, tokenizer, device, budgets, bundle)
+    NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch
+    BATCH = 4  # F->R {step, rows, seq_len} + int64 token ids [rows, seq_len]
+    END = 5  # F->R {reason}: the stream is over for this rank
+    RECORD = 6  # R->F {step, nats}: the loss of the batch just scored
+    EVENT = 7  # R->F {event, ...}: model built (parameter count), ...
+    ERROR = 8  # R->F {stage, message, traceback}
+    DONE = 9  # R->F {peak_rss_bytes, state_sha256, ...}: train(ctx) returned
+    STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
+
+
+class ProtocolError(RuntimeError):
+    """A malformed or oversized frame, or the peer closed the connection."""
+
+
+def send(sock: socket.socket, kind: Kind, header: dict[str, Any] | None = None, payload: bytes | memoryview = b"") -> None:
+    """Send one frame (blocking)."""
+    head = json.dumps(header or {}, separators=(",", ":")).encode()
+    sock.sendall(_PREFIX.pack(int(kind), len(head), len(payload)) + head)
+    if len(payload):
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError("connection closed by peer")
+        got += k
+    return buf
+
+
+def recv(sock: socket.socket, max_payload: int) -> tuple[Kind, dict[str, Any], bytearray]:
+    """Receive one frame: (kind, header, payload).
+
+    Raises:
+        ProtocolError: the peer closed, the kind is unknown, a length exceeds its bound, or the
+            header is not a JSON object.
+    """
+    kind, hlen, plen = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    if hlen > MAX_HEADER or plen > max_payload:
+        raise ProtocolError(f"oversized frame (header {hlen} B, payload {plen} B)")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    try:
+        header = json.loads(_recv_exact(sock, hlen)) if hlen else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProtocolError("frame header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a JSON object")
+    payload = _recv_exact(sock, plen) if plen else bytearray()
+    return kind, header, payload

@@ -1,0 +1,290 @@
+"""The runner: the untrusted side of a scored run, one process per rank under torchrun.
+
+``python -m prism_challenge.evaluator.runner`` (launched by torchrun) connects to the trusted
+feeder over the Unix socket named by ``PRISM_FEEDER_SOCKET``, receives the run configuration,
+forces determinism BEFORE any submitted module is imported, imports the bundle's architecture and
+training modules, and calls ``train(ctx)``. The bundle's ``build_model`` is replaced by a wrapper
+that re-applies the forced seeds right before it runs, however the loop reaches it
+(``ctx.build_model()`` or ``from architecture import build_model``).
+
+Batches come one at a time: the runner asks the feeder for the next batch, scores it with the
+instrument, sends the loss record at once, and only then yields the batch to the loop. The next
+batch does not exist in this process before the current batch's record has left it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import resource
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.instrument import ContractError, score_batch
+from prism_challenge.evaluator.interface import Batch, PrismContext
+from prism_challenge.evaluator.params import unique_parameter_count
+from prism_challenge.evaluator.protocol import Kind
+from prism_challenge.evaluator.seeding import force_determinism, force_seeds
+from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
+from prism_challenge.tokenizers import ReferenceTokenizer
+
+ENV_SOCKET = "PRISM_FEEDER_SOCKET"
+ENV_TOKEN = "PRISM_FEEDER_TOKEN"
+MAX_BATCH_TOKENS = 1 << 24  # 16 Mi tokens per batch: far above any sane batch, bounds memory
+TRACEBACK_LINES = 15
+
+
+class Runtime:
+    """The runner's side of ``PrismContext``: model building and the instrumented stream."""
+
+    def __init__(self, sock: socket.socket, config: dict[str, Any]):
+        self.sock = sock
+        self.config = config
+        self.vocab_size = int(config["vocab_size"])
+        self.seed = int(config["seed"])
+        self.tokenizer_name = str(config["tokenizer"])
+        self.device = str(config["device"])
+        self.stage = "setup"
+        self._iterated = False
+        self._build_fn: Callable[..., nn.Module] | None = None
+        self.models: list[nn.Module] = []
+        self.scored_model: nn.Module | None = None
+
+    # -- reporting ---------------------------------------------------------------------------
+    def report_error(self, stage: str, message: str, tb: str = "") -> None:
+        """Send an ERROR frame (best effort: the feeder may already be gone)."""
+        try:
+            protocol.send(self.sock, Kind.ERROR, {"stage": stage, "message": message, "traceback": tb})
+        except OSError:
+            pass
+
+    def contract_error(self, message: str) -> ContractError:
+        """Report a contract violation to the feeder now (the loop may swallow the exception)."""
+        self.report_error("contract", message)
+        return ContractError(message)
+
+    # -- build_model -------------------------------------------------------------------------
+    def wrap_build_model(self, fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        """Wrap the bundle's ``build_model`` so the forced seeds are applied right before it."""
+        self._build_fn = fn
+
+        @functools.wraps(fn)
+        def forced_build_model(*args: Any, **kwargs: Any) -> nn.Module:
+            force_seeds(self.seed)
+            model = fn(*args, **kwargs)
+            if isinstance(model, nn.Module):
+                self.models.append(model)
+            return model
+
+        return forced_build_model
+
+    def build_model(self, ctx: PrismContext) -> nn.Module:
+        """``ctx.build_model()``: the bundle's ``build_model(ctx)`` under the forced seed."""
+        if self._build_fn is None:
+            raise RuntimeError("build_model is not available before the bundle is imported")
+        force_seeds(self.seed)
+        model = self._build_fn(ctx)
+        if isinstance(model, nn.Module):
+            self.models.append(model)
+        return model
+
+    # -- the instrumented stream -------------------------------------------------------------
+    def iter_train_batches(
+        self, ctx: PrismContext, model: nn.Module, batch_size: int, seq_len: int, tokenizer: Any
+    ) -> Iterator[Batch]:
+        """Validate the request, then return the single-pass instrumented stream."""
+        if self._iterated:
+            raise self.contract_error("ctx.iter_train_batches() may be called once per run: the stream is single-pass")
+        if not isinstance(model, nn.Module):
+            raise self.contract_error(
+                f"iter_train_batches(model=...) needs a torch.nn.Module, got {type(model).__name__}"
+            )
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.contract_error(f"iter_train_batches({name}=...) must be an int, got {value!r}")
+        if batch_size < 1:
+            raise self.contract_error(f"iter_train_batches(batch_size={batch_size}) must be >= 1")
+        if not 2 <= seq_len <= ctx.sequence_length:
+            raise self.contract_error(
+                f"iter_train_batches(seq_len={seq_len}) must be in 2..{ctx.sequence_length} (ctx.max_seq_len)"
+            )
+        if batch_size * seq_len > MAX_BATCH_TOKENS:
+            raise self.contract_error(
+                f"iter_train_batches: batch_size*seq_len = {batch_size * seq_len} exceeds {MAX_BATCH_TOKENS} tokens"
+            )
+        if tokenizer is not None:
+            name = tokenizer.name if isinstance(tokenizer, ReferenceTokenizer) else repr(tokenizer)
+            if not isinstance(tokenizer, ReferenceTokenizer) or tokenizer.name != self.tokenizer_name:
+                raise self.contract_error(
+                    f"iter_train_batches(tokenizer={name}) differs from the bundle's tokenizer "
+                    f"{self.tokenizer_name!r} (declare it in prism.yaml: 'tokenizer: {name}')"
+                )
+        self._iterated = True
+        self.scored_model = model
+        return self._stream(model, batch_size, seq_len)
+
+    def _stream(self, model: nn.Module, batch_size: int, seq_len: int) -> Iterator[Batch]:
+        step = 0
+        request = {"batch_size": batch_size, "seq_len": seq_len}
+        while True:
+            protocol.send(self.sock, Kind.NEXT, request)
+            kind, header, payload = protocol.recv(self.sock, max_payload=8 * MAX_BATCH_TOKENS)
+            if kind == Kind.END:
+                return
+            if kind != Kind.BATCH:
+                raise protocol.ProtocolError(f"expected BATCH or END from the feeder, got {kind.name}")
+            rows, cols = int(header["rows"]), int(header["seq_len"])
+            tokens = torch.frombuffer(payload, dtype=torch.int64).view(rows, cols)
+            if self.device != "cpu":
+                tokens = tokens.to(self.device, non_blocking=False)
+            try:
+                nats = score_batch(model, tokens, self.vocab_size)
+            except ContractError as exc:
+                raise self.contract_error(str(exc)) from None
+            protocol.send(self.sock, Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
+            try:
+                yield Batch(tokens, step)
+            except GeneratorExit:
+                # the loop dropped the stream before its end: tell the feeder now, so ranks that go
+                # on without this one fail fast instead of hanging in a collective
+                protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
+                raise
+            step += 1
+
+
+def _peak_memory() -> dict[str, int]:
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
+    return out
+
+
+def _tail(exc: BaseException) -> str:
+    lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    return "\n".join(lines[-TRACEBACK_LINES:])
+
+
+def _import_bundle(runtime: Runtime, config: dict[str, Any]) -> Callable[[PrismContext], Any]:
+    root = config["bundle_root"]
+    sys.path.insert(0, root)
+    arch_mod, arch_sym = config["architecture"]
+    train_mod, train_sym = config["training"]
+    runtime.stage = "import"
+    arch = importlib.import_module(arch_mod)
+    fn = getattr(arch, arch_sym, None)
+    if not callable(fn):
+        raise ContractError(f"{arch_mod.replace('.', '/')}.py does not define a callable {arch_sym}(ctx)")
+    setattr(arch, arch_sym, runtime.wrap_build_model(fn))
+    training = importlib.import_module(train_mod)
+    train = getattr(training, train_sym, None)
+    if not callable(train):
+        raise ContractError(f"{train_mod.replace('.', '/')}.py does not define a callable {train_sym}(ctx)")
+    return train
+
+
+def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int:
+    """Run one rank: receive CONFIG, import the bundle, call ``train(ctx)``, report DONE.
+
+    Returns the process exit code (0 when ``train`` returned).
+    """
+    kind, config, _ = protocol.recv(sock, max_payload=0)
+    if kind != Kind.CONFIG:
+        raise protocol.ProtocolError(f"expected CONFIG from the feeder, got {kind.name}")
+    device = config["device"]
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    config["device"] = device
+    force_determinism(int(config["seed"]), int(config["threads"]))
+    runtime = Runtime(sock, config)
+    try:
+        train = _import_bundle(runtime, config)
+        ctx = PrismContext(
+            seed=int(config["seed"]),
+            vocab_size=int(config["vocab_size"]),
+            sequence_length=int(config["sequence_length"]),
+            max_parameters=int(config["max_parameters"]),
+            device=device,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            artifacts_dir=str(config["artifacts_dir"]),
+            token_budget=config.get("token_budget"),
+            step_budget=config.get("step_budget"),
+            tokenizer_name=runtime.tokenizer_name,
+            _runtime=runtime,
+        )
+        runtime.stage = "train"
+        train(ctx)
+    except BaseException as exc:  # noqa: BLE001 - everything the submission raises is reported
+        if isinstance(exc, ContractError):
+            runtime.report_error("contract", str(exc))
+        else:
+            runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
+        return 1
+    done: dict[str, Any] = {**_peak_memory(), "device_name": _device_name(device)}
+    model = runtime.scored_model
+    if model is not None:
+        runtime.stage = "state"
+        try:
+            state = cpu_state(model)
+            done["parameter_count"] = unique_parameter_count(model)
+            done["state_sha256"] = state_digest(state)
+            if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
+                for header, payload in frames(state):
+                    protocol.send(sock, Kind.STATE, header, payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. a state tensor of an unstorable dtype
+            runtime.report_error("state", f"{type(exc).__name__}: {exc}", _tail(exc))
+            return 1
+    protocol.send(sock, Kind.DONE, done)
+    return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return f"cpu ({platform.machine()})"
+
+
+def main() -> None:
+    """Entry point under torchrun: read the rank layout and the socket from the environment."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        sys.stderr.write(f"prism runner: {ENV_SOCKET} is not set; the runner is started by `prism eval`\n")
+        sys.exit(2)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    protocol.send(
+        sock,
+        Kind.HELLO,
+        {
+            "rank": rank,
+            "local_rank": local_rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "token": os.environ.get(ENV_TOKEN, ""),
+        },
+    )
+    code = run(sock, rank, local_rank, world_size)
+    sock.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: submitted atexit hooks and threads do not run on
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Moving the scored model's ``state_dict`` out of the sandbox without pickle.
+
+Rank 0 sends each tensor as one STATE frame: a JSON header ``{name, dtype, shape}`` and the
+tensor's raw bytes (contiguous, CPU). The trusted side rebuilds tensors with
+``torch.frombuffer`` from an allow-list of dtypes, so nothing the submission controls is ever
+unpickled. Every rank also reports :func:`state_digest` of its own ``state_dict``; the trusted
+side compares them to catch ranks that drifted apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+class StateError(ValueError):
+    """A state tensor the trusted side refuses (unknown dtype, size mismatch, duplicate name)."""
+
+
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as detached, contiguous CPU tensors (non-tensor entries dropped)."""
+    return {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over ``name, dtype, shape, raw bytes`` of every tensor, in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(tensor_bytes(t.contiguous()))
+    return h.hexdigest()
+
+
+def frames(state: Mapping[str, torch.Tensor]) -> Iterable[tuple[dict, memoryview]]:
+    """(header, payload) per tensor, for the STATE frames."""
+    for name, t in state.items():
+        if str(t.dtype) not in DTYPES:
+            raise StateError(f"state tensor {name!r} has dtype {t.dtype}, which the harness cannot store")
+        yield {"name": name, "dtype": str(t.dtype), "shape": list(t.shape)}, tensor_bytes(t)
+
+
+def rebuild(header: dict, payload: bytes | bytearray) -> tuple[str, torch.Tensor]:
+    """One tensor from a STATE frame (trusted side).
+
+    Raises:
+        StateError: bad name, dtype or shape, or a payload of the wrong size.
+    """
+    name, dtype, shape = header.get("name"), header.get("dtype"), header.get("shape")
+    if not isinstance(name, str) or dtype not in DTYPES or not isinstance(shape, list) or not all(
+        isinstance(s, int) and s >= 0 for s in shape
+    ):
+        raise StateError(f"malformed state frame header {str(header)[:200]}")
+    dt = DTYPES[dtype]
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dt).element_size()
+    if len(payload) != numel * itemsize:
+        raise StateError(f"state tensor {name!r}: {len(payload)} bytes for shape {shape} of {dtype}")
+    if numel == 0:
+        return name, torch.empty(shape, dtype=dt)
+    return name, torch.frombuffer(bytearray(payload), dtype=dt).reshape(shape).clone()

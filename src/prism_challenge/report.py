@@ -1,0 +1,44 @@
+"""Console reports: the summary table of a scored run and the one-line failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_failure(console: Console, failure, run_dir: Path | None = None) -> None:
+    """One clear line naming the stage and reason, then any detail (traceback tail, findings)."""
+    console.print(f"[bold red]prism eval failed[/] at stage [bold]{failure.stage}[/]: {failure.message}", markup=True, highlight=False)
+    if failure.detail:
+        console.print(failure.detail, markup=False, highlight=False)
+    if run_dir is not None:
+        console.print(f"run manifest: {run_dir / 'prism_run_manifest.v2.json'}", markup=False)
+
+
+def print_summary(console: Console, outcome) -> None:
+    """The short summary table of a scored run."""
+    m = outcome.manifest
+    s, st, c = m["score"], m["stream"], m["compute"]
+    t = Table(title="PRISM scored run", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [
+        ("prequential_bpb", f"{s['prequential_bpb']:.6f}"),
+        ("total bits", f"{s['total_bits']:,.1f}"),
+        ("bytes scored", f"{s['bytes']:,}"),
+        ("targets scored", f"{s['targets']:,}"),
+        ("tokens consumed", f"{st['tokens']:,}"),
+        ("batches", f"{st['batches']:,}"),
+        ("stop reason", st["stop_reason"]),
+        ("parameters", f"{m['model']['parameter_count']:,}" if m["model"]["parameter_count"] is not None else "-"),
+        ("tokenizer", f"{m['tokenizer']['name']} (V={m['tokenizer']['vocab_size']})"),
+        ("device / world size", f"{c['device']} / {c['world_size']}"),
+        ("wall time", f"{m['timing']['wall_s']:.1f} s"),
+        ("non-finite batches", str(s["nonfinite_batches"])),
+        ("run manifest", str(outcome.run_dir / "prism_run_manifest.v2.json")),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)

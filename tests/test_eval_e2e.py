@@ -1,0 +1,175 @@
+"""End to end through the real torchrun: ``prism eval`` on small bundles (seconds each)."""
+
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+
+from prism_challenge.cli import main
+from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.evaluator.seeding import force_seeds
+from prism_challenge.run_manifest import MANIFEST_NAME
+
+from helpers import EXAMPLE, SHARED, UNIFORM_ARCH, write_bundle
+
+pytestmark = pytest.mark.slow
+
+
+def run(tmp_path, bundle, **kw):
+    kw.setdefault("run_gates", False)
+    return evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / "run"), device="cpu", **kw))
+
+
+def test_seed_training_is_the_shared_copy_byte_for_byte():
+    shared = SHARED / "seed" / "training.py"
+    if not shared.is_file():
+        pytest.skip(f"{shared} is absent (a fresh clone has no ../shared)")
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(EXAMPLE / "training.py") == digest(shared)
+
+
+def test_uniform_model_scores_log2v_per_target(tmp_path):
+    bundle = write_bundle(tmp_path / "b", UNIFORM_ARCH, batch=3, seq_len=33)
+    o = run(tmp_path, bundle, token_budget=1000, seq_len=64)
+    assert o.failure is None, o.failure
+    s, st = o.manifest["score"], o.manifest["stream"]
+    assert st["targets"] == st["tokens"] - 1 == 999
+    assert s["prequential_bpb"] == pytest.approx(math.log2(257) * s["targets"] / s["bytes"], rel=1e-6)
+    # bytes tokenizer: every target is one byte except end-of-text (0 bytes)
+    assert s["bytes"] <= s["targets"]
+
+
+def test_two_logit_model_fails_with_the_shape_error(tmp_path):
+    arch = UNIFORM_ARCH.replace("Uniform(ctx.vocab_size)", "Uniform(2)")
+    o = run(tmp_path, write_bundle(tmp_path / "b", arch), token_budget=500)
+    assert o.failure is not None and o.failure.stage == "contract"
+    assert "[2, 16, 2]" in o.failure.message and "V'>=257" in o.failure.message
+    m = json.loads((o.run_dir / MANIFEST_NAME).read_text())
+    assert m["status"] == "failed" and m["score"] is None
+
+
+def test_exception_in_submitted_code_reports_traceback_tail(tmp_path):
+    loop = """
+    def train(ctx):
+        model = ctx.build_model()
+        for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+            raise ValueError("miner bug at step %d" % batch.step)
+    """
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=500)
+    assert o.failure.stage == "train" and "ValueError: miner bug at step 0" in o.failure.message
+    assert "training.py" in o.failure.detail
+
+
+def test_loop_that_never_iterates_fails_clearly(tmp_path):
+    loop = "def train(ctx):\n    ctx.build_model()\n"
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=500)
+    assert o.failure.stage == "contract" and "never iterated" in o.failure.message
+
+
+def test_swallowed_contract_error_still_fails_the_run(tmp_path):
+    loop = """
+    def train(ctx):
+        model = ctx.build_model()
+        try:
+            for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8, tokenizer=ctx.reference_tokenizer("gpt2")):
+                pass
+        except Exception:
+            pass
+    """
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=500)
+    assert o.failure.stage == "contract" and "differs from the bundle's tokenizer 'bytes'" in o.failure.message
+
+
+ARCH_LINEAR = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.emb = nn.Embedding(v, 4)
+        self.head = nn.Linear(4, v)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+def build_model(ctx):
+    return M(ctx.vocab_size)
+"""
+
+RESEED_LOOP = """
+import torch
+from architecture import build_model
+
+
+def train(ctx):
+    torch.manual_seed(999)  # an attempt to choose the initial weights
+    model = build_model(ctx)
+    torch.manual_seed(7)
+    twin = ctx.build_model()
+    with torch.no_grad():
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    torch.save({"sum": float(model.head.weight.double().sum()), "same": same}, ctx.artifacts_dir + "/init.pt")
+    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+        break
+"""
+
+
+def test_forced_seed_is_reapplied_before_build_model(tmp_path):
+    bundle = write_bundle(tmp_path / "b", ARCH_LINEAR, RESEED_LOOP)
+    o = run(tmp_path, bundle, token_budget=200, seed=4321)
+    assert o.failure is None, o.failure
+    got = torch.load(o.run_dir / "artifacts" / "init.pt")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arch_ref", bundle / "architecture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Ctx:
+        vocab_size = 257
+
+    force_seeds(4321)
+    ref = mod.build_model(Ctx())
+    assert got["same"] is True
+    assert got["sum"] == float(ref.head.weight.double().sum())
+    assert o.manifest["stream"]["stop_reason"] == "loop_stopped"
+
+
+def test_planted_run_manifest_is_discarded(tmp_path):
+    loop = """
+    def train(ctx):
+        model = ctx.build_model()
+        with open(ctx.artifacts_dir + "/prism_run_manifest.v2.json", "w") as f:
+            f.write('{"schema": "prism.run.v2", "score": {"prequential_bpb": 0.0}}')
+        for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=8):
+            pass
+    """
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=300)
+    assert o.failure is None
+    assert o.manifest["discarded_files"] == ["prism_run_manifest.v2.json"]
+    assert not (o.run_dir / "artifacts" / MANIFEST_NAME).exists()
+    assert json.loads((o.run_dir / MANIFEST_NAME).read_text())["score"]["prequential_bpb"] > 5
+
+
+def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
+    code = main(["eval", str(EXAMPLE), "--token-budget", "20000", "--out", str(tmp_path / "a"), "--no-progress"])
+    assert code == 0
+    m = json.loads((tmp_path / "a" / MANIFEST_NAME).read_text())
+    s, st, curve = m["score"], m["stream"], m["curve"]["nats_per_target"]
+    assert m["status"] == "scored" and st["stop_reason"] == "token_budget"
+    assert s["prequential_bpb"] == s["total_bits"] / s["bytes"]
+    assert s["total_bits"] == pytest.approx(s["total_nats"] / math.log(2), rel=1e-15)
+    assert st["targets"] == st["tokens"] - 1 == 19999
+    last_quarter = curve[-max(1, len(curve) // 4):]
+    assert sum(last_quarter) / len(last_quarter) < curve[0]
+    assert "prequential_bpb" in capsys.readouterr().out
+    # the same command again: identical to the last bit
+    assert main(["eval", str(EXAMPLE), "--token-budget", "20000", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    m2 = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())
+    assert m2["score"]["prequential_bpb"] == s["prequential_bpb"]
+    assert m2["curve"] == m["curve"]

@@ -1,0 +1,150 @@
+import math
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.feeder import Feeder, RowAssembler
+from prism_challenge.evaluator.protocol import Kind
+from prism_challenge.scoring import prequential_score
+
+from helpers import chunks_of
+
+RNG = np.random.default_rng(0)
+IDS = RNG.integers(0, 256, 1000).tolist()
+NBYTES = RNG.integers(0, 5, 1000).tolist()
+
+
+def drain(asm, rows, seq_len):
+    cuts = []
+    while (c := asm.cut(rows, seq_len)) is not None:
+        cuts.append(c)
+    return cuts
+
+
+@pytest.mark.parametrize("rows, seq_len, chunk", [(3, 5, 7), (4, 2, 1000), (1, 512, 33), (7, 64, 100), (2, 999, 5)])
+def test_every_token_after_the_first_is_a_target_once(rows, seq_len, chunk):
+    cuts = drain(RowAssembler(iter(chunks_of(IDS, NBYTES, chunk))), rows, seq_len)
+    targets = np.concatenate([c.tokens[:, 1:].reshape(-1) for c in cuts])
+    assert targets.tolist() == IDS[1:]
+    assert sum(int(c.target_bytes.sum()) for c in cuts) == sum(NBYTES[1:])
+    # consecutive rows overlap by exactly one token, across batches too
+    rows_all = [r for c in cuts for r in c.tokens]
+    assert all(a[-1] == b[0] for a, b in zip(rows_all, rows_all[1:]))
+    # full rows first, short batch at the end never padded
+    assert all(c.tokens.shape[1] == seq_len for c in cuts[:-1])
+
+
+def test_seq_len_2_and_512_score_the_same_targets_and_bytes():
+    a = drain(RowAssembler(iter(chunks_of(IDS, NBYTES, 50))), 4, 2)
+    b = drain(RowAssembler(iter(chunks_of(IDS, NBYTES, 50))), 4, 512)
+    assert sum(c.tokens.shape[0] * (c.tokens.shape[1] - 1) for c in a) == 999
+    assert sum(c.tokens.shape[0] * (c.tokens.shape[1] - 1) for c in b) == 999
+    assert sum(int(c.target_bytes.sum()) for c in a) == sum(int(c.target_bytes.sum()) for c in b) == sum(NBYTES[1:])
+
+
+def test_short_final_batch_has_fewer_rows_then_a_short_row():
+    # 1000 tokens, rows of 10 (9 targets): 111 full rows cover 999 targets exactly
+    cuts = drain(RowAssembler(iter(chunks_of(IDS, NBYTES, 64))), 50, 10)
+    assert [c.tokens.shape for c in cuts] == [(50, 10), (50, 10), (11, 10)]
+    # 1000 tokens, rows of 8 (7 targets): 142 full rows (994 targets), then one row of 6 tokens
+    cuts = drain(RowAssembler(iter(chunks_of(IDS, NBYTES, 64))), 100, 8)
+    assert [c.tokens.shape for c in cuts] == [(100, 8), (42, 8), (1, 6)]
+
+
+def test_token_budget_truncates_the_stream():
+    asm = RowAssembler(iter(chunks_of(IDS, NBYTES, 10)), token_budget=101)
+    cuts = drain(asm, 3, 11)
+    assert sum(c.tokens.size - c.tokens.shape[0] for c in cuts) == 100
+    assert asm.tokens_consumed == 101 and asm.budget_hit
+
+
+class FakeRunner:
+    """Speaks the runner's side of the protocol without a model."""
+
+    def __init__(self, feeder, rank=0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(feeder.socket_path)
+        protocol.send(self.sock, Kind.HELLO, {"rank": rank, "local_rank": rank, "world_size": feeder.world_size,
+                                              "pid": 1, "token": feeder.token})
+        kind, self.config, _ = protocol.recv(self.sock, 0)
+        assert kind == Kind.CONFIG
+
+    def next(self, b, t):
+        protocol.send(self.sock, Kind.NEXT, {"batch_size": b, "seq_len": t})
+        kind, header, payload = protocol.recv(self.sock, 1 << 24)
+        if kind == Kind.END:
+            return None
+        return np.frombuffer(payload, dtype=np.int64).reshape(header["rows"], header["seq_len"])
+
+    def record(self, step, nats):
+        protocol.send(self.sock, Kind.RECORD, {"step": step, "nats": nats})
+
+
+def make_feeder(tmp_path, world_size=1, **kw):
+    f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(IDS, NBYTES, 37)), {"seed": 1}, world_size=world_size,
+               vocab_size=257, **kw)
+    f.start()
+    return f
+
+
+def test_feeder_records_and_charges_nonfinite(tmp_path):
+    f = make_feeder(tmp_path, step_budget=3)
+    r = FakeRunner(f)
+    b0 = r.next(4, 10)
+    assert b0.tolist()[0] == IDS[:10]
+    r.record(0, 10.0)
+    r.next(4, 10)
+    r.record(1, None)  # non-finite loss
+    r.next(4, 10)
+    r.record(2, 5.0)
+    assert r.next(4, 10) is None
+    protocol.send(r.sock, Kind.DONE, {"peak_rss_bytes": 1})
+    for _ in range(100):
+        if f.all_done():
+            break
+        threading.Event().wait(0.01)
+    res = f.finish()
+    assert res.stop_reason == "step_budget" and res.nonfinite_batches == 1
+    assert [s.targets for s in res.steps] == [36, 36, 36]
+    assert res.steps[1].nats == pytest.approx(2 * math.log(257) * 36)
+    assert res.tokens_consumed == 109
+    score = prequential_score(res.steps)
+    assert score.bytes == sum(NBYTES[1:109])
+    assert score.prequential_bpb == pytest.approx((15.0 + 72 * math.log(257)) / math.log(2) / score.bytes)
+
+
+def test_no_lookahead_next_before_record_fails_the_run(tmp_path):
+    f = make_feeder(tmp_path)
+    r = FakeRunner(f)
+    r.next(2, 8)
+    protocol.send(r.sock, Kind.NEXT, {"batch_size": 2, "seq_len": 8})
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert "before reporting the loss of batch 0" in res.error["message"]
+
+
+def test_wrong_token_is_refused(tmp_path):
+    f = make_feeder(tmp_path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(f.socket_path)
+    protocol.send(s, Kind.HELLO, {"rank": 0, "token": "guess"})
+    with pytest.raises(protocol.ProtocolError):
+        protocol.recv(s, 0)
+    f.finish()
+
+
+def test_two_ranks_split_one_global_batch(tmp_path):
+    f = make_feeder(tmp_path, world_size=2, step_budget=1)
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    a, b = r0.next(3, 5), r1.next(3, 5)
+    assert a.shape == b.shape == (3, 5)
+    rows = np.concatenate([a, b])
+    assert np.concatenate([rows[:, 1:].reshape(-1)]).tolist() == IDS[1:25]
+    r0.record(0, 1.0)
+    r1.record(0, 2.0)
+    assert r0.next(3, 5) is None and r1.next(3, 5) is None
+    res = f.finish()
+    assert len(res.steps) == 1 and res.steps[0].nats == 3.0 and res.steps[0].targets == 24

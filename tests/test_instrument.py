@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from prism_challenge.evaluator.instrument import ContractError, charge, score_batch
+
+
+class Const(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.v = v
+
+    def forward(self, tokens):
+        return torch.zeros(tokens.shape[0], tokens.shape[1], self.v)
+
+
+def test_uniform_logits_cost_log_v_per_target():
+    tokens = torch.randint(0, 257, (3, 11))
+    nats = score_batch(Const(257), tokens, 257)
+    assert nats == pytest.approx(3 * 10 * math.log(257), rel=1e-6)
+
+
+def test_extra_logit_columns_are_sliced_off():
+    # V' = 300 > V = 257: only the first V columns form the distribution.
+    tokens = torch.randint(0, 257, (2, 5))
+    assert score_batch(Const(300), tokens, 257) == pytest.approx(2 * 4 * math.log(257), rel=1e-6)
+
+
+def test_hand_computed_two_token_distribution():
+    class Fixed(nn.Module):
+        def forward(self, tokens):
+            # p = softmax([ln 3, 0, 0]) = [3/5, 1/5, 1/5] at every position
+            logits = torch.zeros(tokens.shape[0], tokens.shape[1], 3)
+            logits[..., 0] = math.log(3)
+            return logits
+
+    tokens = torch.tensor([[0, 0, 1, 2]])
+    expected = -(math.log(3 / 5) + math.log(1 / 5) + math.log(1 / 5))
+    assert score_batch(Fixed(), tokens, 3) == pytest.approx(expected, rel=1e-6)
+
+
+def test_targets_are_never_reduced_modulo_output_size():
+    tokens = torch.tensor([[0, 5, 6]])
+    with pytest.raises(ContractError, match=r"shape \[1, 3, 2\].*V'>=257"):
+        score_batch(Const(2), tokens, 257)
+
+
+@pytest.mark.parametrize(
+    "out, needle",
+    [
+        (lambda t: (torch.zeros(*t.shape, 9),), "returned tuple"),
+        (lambda t: torch.zeros(t.shape[0], t.shape[1], 9, dtype=torch.int64), "dtype torch.int64"),
+        (lambda t: torch.zeros(t.shape[0] * t.shape[1], 9), r"shape \[6, 9\]"),
+    ],
+)
+def test_bad_outputs_are_contract_errors(out, needle):
+    class M(nn.Module):
+        def forward(self, tokens):
+            return out(tokens)
+
+    with pytest.raises(ContractError, match=needle):
+        score_batch(M(), torch.zeros(2, 3, dtype=torch.int64), 9)
+
+
+def test_dropout_model_is_scored_in_eval_mode_and_mode_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Dropout(0.9), nn.Linear(8, 20))
+    model.train()
+    model[2].eval()  # mixed modes must come back exactly as they were
+    tokens = torch.randint(0, 20, (4, 9))
+    with torch.no_grad():
+        ref = -torch.log_softmax(model[2](model[0](tokens)), -1)[:, :-1].gather(-1, tokens[:, 1:, None]).double().sum()
+    a = score_batch(model, tokens, 20)
+    b = score_batch(model, tokens, 20)
+    assert a == b == pytest.approx(float(ref), rel=1e-9)
+    assert [m.training for m in model] == [True, True, False] and model.training
+
+
+def test_scoring_keeps_no_graph():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    score_batch(model, torch.randint(0, 10, (2, 4)), 10)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_nonfinite_charge():
+    assert charge(12.5, 10, 257) == (12.5, True)
+    nats, finite = charge(float("nan"), 10, 257)
+    assert not finite and nats == pytest.approx(2 * math.log(257) * 10)
+    assert charge(float("inf"), 3, 50257)[0] / 3 / math.log(2) == pytest.approx(2 * math.log2(50257))
