@@ -171,6 +171,7 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     # 1. intake and static gates
     findings: list[Any] = []
     param_count_gate = None
+    cleanup: Callable[[], None] = lambda: None
     t_gates = time.monotonic()
     try:
         if opts.run_gates:
@@ -186,17 +187,28 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
             findings = list(report.findings)
             param_count_gate = report.param_count
             if report.blocking:
+                report.cleanup()
                 raise EvalFailure(
                     "gates",
                     f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
                     "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
                 )
             bundle = report.bundle
+            cleanup = report.cleanup
         else:
             bundle = load_bundle(opts.bundle)
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     gates_s = time.monotonic() - t_gates
+    try:
+        return _run_bundle(opts, bundle, device, findings, param_count_gate, gates_s, t_start, on_start, on_record)
+    finally:
+        cleanup()
+
+
+def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[Any], param_count_gate: int | None,
+                gates_s: float, t_start: float, on_start, on_record) -> EvalOutcome:
+    """Stages after the gates: data, feeder, torchrun, scoring, manifest."""
 
     # 2. tokenizer and locked data
     try:

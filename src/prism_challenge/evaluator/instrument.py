@@ -59,9 +59,9 @@ def check_logits(logits: object, batch: int, seq_len: int, vocab_size: int) -> t
     Raises:
         ContractError: naming the type or shape returned and the ``V`` required.
     """
-    if not isinstance(logits, torch.Tensor):
+    if type(logits) is not torch.Tensor:  # noqa: E721 - subclasses could run code while scored
         raise ContractError(
-            f"model(tokens) returned {type(logits).__name__}, expected logits: a float tensor "
+            f"model(tokens) returned {type(logits).__name__}, expected logits: a plain float torch.Tensor "
             f"[B={batch}, T={seq_len}, V'>={vocab_size}]"
         )
     shape = tuple(logits.shape)

@@ -31,10 +31,10 @@ from torch import nn
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
-from prism_challenge.evaluator.params import unique_parameter_count
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
+from prism_challenge.gates.param_count import count_unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
 
 ENV_SOCKET = "PRISM_FEEDER_SOCKET"
@@ -237,7 +237,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         runtime.stage = "state"
         try:
             state = cpu_state(model)
-            done["parameter_count"] = unique_parameter_count(model)
+            done["parameter_count"] = count_unique_elements(model)[0]
             done["state_sha256"] = state_digest(state)
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
                 for header, payload in frames(state):

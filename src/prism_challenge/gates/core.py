@@ -1,0 +1,238 @@
+"""``run_gates``: every static gate in order, before any training.
+
+1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``;
+2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every ``.py``;
+3. the AST sandbox (:mod:`prism_challenge.gates.sandbox`) and module shadowing;
+4. the multi-GPU contract and launch limits (:mod:`prism_challenge.gates.contract`);
+5. the parameter cap in a bounded child (:mod:`prism_challenge.gates.param_count`), only when
+   nothing above makes the code unsafe to execute.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+from prism_challenge.bundle import (
+    Bundle,
+    BundleError,
+    Entrypoint,
+    IntakeLimits,
+    hash_tree,
+    open_bundle,
+    read_spec,
+)
+from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
+from prism_challenge.gates.contract import check_contract, launch_findings
+from prism_challenge.gates.findings import Finding, GateReport
+from prism_challenge.gates.rules import CONTRACT_RULES
+from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source, shadowed_modules
+
+DEFAULT_MAX_PARAMETERS = 150_000_000
+_FALLBACK_VOCAB = {"gpt2": 50257, "bytes": 257}
+_CHILD_RULES = {
+    "timeout": "prism:build-timeout",
+    "memory": "prism:build-memory",
+    "lazy": "prism:param-lazy",
+}
+
+
+def tokenizer_vocab_size(name: str) -> int | None:
+    """V of a reference tokenizer name, or ``None`` when the name is unknown."""
+    try:
+        from prism_challenge.tokenizers import vocab_size_of
+    except ImportError:  # the tokenizers module ships with the harness; keep the gate standalone
+        return _FALLBACK_VOCAB.get(name)
+    try:
+        return vocab_size_of(name)
+    except (ValueError, KeyError):
+        return None
+
+
+def run_gates(
+    path: str | os.PathLike[str],
+    *,
+    max_parameters: int = DEFAULT_MAX_PARAMETERS,
+    nproc: int = 1,
+    nnodes: int = 1,
+    param_timeout_s: float = 60.0,
+    param_memory_bytes: int = 8 << 30,
+    vocab_size: int | None = None,
+    seq_len: int = 256,
+    check_params: bool = True,
+    limits: IntakeLimits = IntakeLimits(),
+) -> GateReport:
+    """Run every gate over a bundle directory or ``.zip``; execute nothing but the bounded
+    parameter-count child.
+
+    Args:
+        path: bundle directory or ``.zip`` file.
+        max_parameters: parameter cap (unique storage elements of parameters and buffers).
+        nproc: processes (GPUs) the run will use; > 1 makes the multi-GPU contract blocking
+            (at 1 its findings are advisories); > 8 is a ``prism:launch-limit`` finding.
+        nnodes: nodes requested; > 1 is a ``prism:launch-limit`` finding.
+        param_timeout_s: wall-clock limit of the parameter-count child in seconds.
+        param_memory_bytes: address-space limit of that child in bytes.
+        vocab_size: ``ctx.vocab_size`` for ``build_model``; default the bundle tokenizer's V.
+        seq_len: ``ctx.sequence_length`` for ``build_model``.
+        check_params: whether to run the parameter-count child at all.
+        limits: intake limits.
+
+    Returns:
+        the report. For a ``.zip`` whose ``prism.yaml`` parsed, ``report.bundle.root`` lies in a
+        fresh temporary directory (``report.extracted_dir``) that the caller owns and removes
+        with :meth:`GateReport.cleanup`; when the report has no bundle that directory is
+        already removed.
+
+    Raises:
+        BundleError: the bundle cannot be read (missing path, not a zip, an intake rule): the
+            message names the file or member, ``.rule`` the rule. Nothing is left on disk.
+        ValueError: ``nproc`` or ``nnodes`` below 1.
+        RuntimeError: the harness could not run the parameter-count child.
+    """
+    request = launch_findings(nproc, nnodes)
+    root, extracted = open_bundle(path, limits)
+    try:
+        report = _gate(
+            root,
+            request,
+            max_parameters=max_parameters,
+            nproc=nproc,
+            param_timeout_s=param_timeout_s,
+            param_memory_bytes=param_memory_bytes,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            check_params=check_params,
+        )
+    except BaseException:
+        if extracted is not None:
+            shutil.rmtree(extracted, ignore_errors=True)
+        raise
+    if extracted is not None:
+        if report.bundle is None:
+            shutil.rmtree(extracted, ignore_errors=True)
+        else:
+            report.extracted_dir = extracted
+    return report
+
+
+def _gate(
+    root: Path,
+    request: list[Finding],
+    *,
+    max_parameters: int,
+    nproc: int,
+    param_timeout_s: float,
+    param_memory_bytes: int,
+    vocab_size: int | None,
+    seq_len: int,
+    check_params: bool,
+) -> GateReport:
+    findings = list(request)
+    hashes = hash_tree(root)
+    bundle: Bundle | None = None
+    try:
+        arch, train, tokenizer = read_spec(root)
+        bundle = Bundle(root, arch, train, tokenizer, hashes)
+    except BundleError as exc:
+        findings.append(Finding(exc.rule, "prism.yaml", 0, 0, str(exc)))
+
+    entries: dict[str, tuple[Entrypoint, str]] = {}
+    if bundle is not None:
+        for ep, what in ((bundle.architecture, "architecture"), (bundle.training, "training")):
+            entries[ep.file] = (ep, what)
+            if ep.file not in hashes:
+                findings.append(
+                    Finding("prism:missing-entrypoint", ep.file, 0, 0, f"{what} entrypoint file {ep.file} is missing")
+                )
+
+    modules: list[ModuleInfo] = []
+    trees: dict[str, ast.Module] = {}
+    for rel in sorted(hashes):
+        if not rel.endswith(".py"):
+            continue
+        text, tree, problems = parse_source(rel, (root / rel).read_bytes())
+        findings.extend(problems)
+        if tree is None or text is None:
+            continue
+        trees[rel] = tree
+        symbols = {entries[rel][0].symbol} if rel in entries else set()
+        modules.append(build_module(rel, text, tree, symbols))
+
+    for rel, (ep, what) in sorted(entries.items()):
+        if rel in trees and not defines_symbol(trees[rel], ep.symbol):
+            findings.append(
+                Finding("prism:missing-symbol", rel, 0, 0, f"{rel} does not define the {what} entrypoint {ep.symbol!r}")
+            )
+
+    index = BundleIndex(modules)
+    findings.extend(check_modules(index))
+    findings.extend(shadowed_modules(index, root))
+
+    if bundle is not None and bundle.training.file in trees:
+        findings.extend(
+            check_contract(
+                index,
+                module_name(bundle.training.file),
+                bundle.training.file,
+                bundle.training.symbol,
+                blocking=nproc > 1,
+            )
+        )
+
+    if bundle is not None and vocab_size is None:
+        vocab_size = tokenizer_vocab_size(bundle.tokenizer)
+        if vocab_size is None:
+            findings.append(
+                Finding("prism:spec", "prism.yaml", 0, 0, f"unknown tokenizer {bundle.tokenizer!r}")
+            )
+
+    param_count: int | None = None
+    unsafe = any(f.blocking and f.rule not in CONTRACT_RULES for f in findings)
+    if check_params and bundle is not None and not unsafe and vocab_size is not None:
+        # imported here: the child runs this very module with -m, which must not be imported first
+        from prism_challenge.gates.param_count import measure_parameters
+
+        arch = bundle.architecture
+        result = measure_parameters(
+            root,
+            arch.module,
+            arch.symbol,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            max_parameters=max_parameters,
+            tokenizer=bundle.tokenizer,
+            timeout_s=param_timeout_s,
+            memory_bytes=param_memory_bytes,
+        )
+        line = _def_line(trees.get(arch.file), arch.symbol)
+        if result.kind == "harness":
+            raise RuntimeError(f"parameter-count child could not build a context: {result.error}")
+        if result.count is None:
+            rule = _CHILD_RULES.get(result.kind or "", "prism:build-error")
+            findings.append(Finding(rule, arch.file, line, 0, f"{arch.symbol}(ctx): {result.error}"))
+        else:
+            param_count = result.count
+            if param_count > max_parameters:
+                findings.append(
+                    Finding(
+                        "prism:param-cap",
+                        arch.file,
+                        line,
+                        0,
+                        f"{param_count:,} unique parameter and buffer elements exceed the cap of {max_parameters:,}",
+                    )
+                )
+    findings.sort(key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
+    return GateReport(bundle, findings, param_count, max_parameters)
+
+
+def _def_line(tree: ast.Module | None, symbol: str) -> int:
+    if tree is None:
+        return 0
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name == symbol:
+            return stmt.lineno
+    return 0

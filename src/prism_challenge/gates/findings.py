@@ -1,0 +1,108 @@
+"""Gate results: :class:`Finding` (one broken rule at one place) and :class:`GateReport`."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prism_challenge.bundle import Bundle
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken rule at one place in the bundle.
+
+    Attributes:
+        rule: stable rule id, e.g. ``prism:no-network`` (see :data:`prism_challenge.gates.RULES`).
+        file: bundle-relative POSIX path of the file, or ``""`` for a finding about the request
+            (e.g. ``--nproc 16``).
+        line: 1-based line; 0 when the finding is about the whole file or request.
+        col: 1-based column in characters; 0 when there is no column.
+        message: one line saying what was found.
+        blocking: whether the finding stops the run (advisories are ``False``).
+    """
+
+    rule: str
+    file: str
+    line: int
+    col: int
+    message: str
+    blocking: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with the same keys as the fields."""
+        return {
+            "rule": self.rule,
+            "file": self.file,
+            "line": self.line,
+            "col": self.col,
+            "message": self.message,
+            "blocking": self.blocking,
+        }
+
+    @property
+    def location(self) -> str:
+        """``file:line:col`` (shorter when line or column is 0)."""
+        if not self.file:
+            return "-"
+        if not self.line:
+            return self.file
+        return f"{self.file}:{self.line}:{self.col}" if self.col else f"{self.file}:{self.line}"
+
+
+@dataclass
+class GateReport:
+    """The result of :func:`prism_challenge.gates.run_gates`.
+
+    Attributes:
+        bundle: the located bundle, or ``None`` when ``prism.yaml`` could not be read.
+        findings: every finding, sorted by file, line, column and rule.
+        param_count: unique storage elements of parameters and buffers after one forward, or
+            ``None`` when the count did not run (a blocking sandbox finding, a failed build,
+            or ``check_params=False``).
+        max_parameters: the cap the count was compared with.
+        extracted_dir: for a ``.zip`` bundle, the temporary directory it was extracted into
+            (``bundle.root`` is it or a folder inside it). The caller owns it: call
+            :meth:`cleanup` when done. ``None`` for a directory bundle.
+    """
+
+    bundle: Bundle | None
+    findings: list[Finding]
+    param_count: int | None
+    max_parameters: int | None = None
+    extracted_dir: Path | None = field(default=None, repr=False)
+
+    @property
+    def blocking(self) -> bool:
+        """Whether any finding blocks the run."""
+        return any(f.blocking for f in self.findings)
+
+    def cleanup(self) -> None:
+        """Remove the extraction directory of a ``.zip`` bundle (no-op for a directory)."""
+        if self.extracted_dir is not None:
+            shutil.rmtree(self.extracted_dir, ignore_errors=True)
+            self.extracted_dir = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: bundle (root, entrypoints, tokenizer, sha256) or ``None``,
+        findings, param_count, max_parameters and blocking."""
+        b = self.bundle
+        bundle = None
+        if b is not None:
+            bundle = {
+                "root": str(b.root),
+                "architecture": f"{b.architecture.file}:{b.architecture.symbol}",
+                "training": f"{b.training.file}:{b.training.symbol}",
+                "tokenizer": b.tokenizer,
+                "sha256": b.sha256,
+                "files": sorted(b.file_hashes),
+            }
+        return {
+            "bundle": bundle,
+            "findings": [f.to_dict() for f in self.findings],
+            "param_count": self.param_count,
+            "max_parameters": self.max_parameters,
+            "blocking": self.blocking,
+        }

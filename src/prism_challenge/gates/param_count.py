@@ -1,0 +1,477 @@
+"""Parameter count in a bounded child process: ``python -m prism_challenge.gates.param_count``.
+
+The parent (:func:`measure_parameters`) starts this module as a separate interpreter with a
+wall-clock time limit and an address-space limit (``RLIMIT_AS``), in its own session so the
+whole process group is killed on timeout. The child:
+
+1. moves its real stdout aside (bundle prints go to stderr), disables bytecode writing and points
+   ``sys.pycache_prefix`` at an empty directory, so stale or planted ``__pycache__`` files in
+   the bundle are never loaded;
+2. imports the architecture entrypoint from the bundle root, builds a ``PrismContext``, forces
+   the seeds and calls ``build_model(ctx)``;
+3. runs one forward pass under ``torch.no_grad()`` on a ``[1, 8]`` batch of token ids so lazy
+   modules and parameters created on first forward are realized;
+4. counts unique storage elements (:func:`count_unique_elements`, plus tensors the bundle's
+   own modules hold at module level, :func:`bundle_global_tensors`) and writes one JSON line to
+   its real stdout: ``{"ok": true, "count": N, ...}`` or ``{"ok": false, "kind": K,
+   "error": "..."}`` with ``K`` in ``import``, ``symbol``, ``build``, ``forward``, ``lazy``,
+   ``memory``, ``harness``; then leaves with ``os._exit`` so no bundle finalizer runs.
+
+Only bundles that passed the AST sandbox reach this child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PARAM_COUNT_SEED = 0
+"""Seed forced before ``build_model`` in the child (the count must not depend on it)."""
+
+DUMMY_BATCH = (1, 8)
+"""Shape of the token batch of the realizing forward pass."""
+
+
+def _storage_key(t: Any) -> tuple[object, int]:
+    """(dedup key, elements) of the storage a tensor views (see :func:`count_unique_elements`)."""
+    try:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        elements = storage.nbytes() // max(t.element_size(), 1)
+    except (RuntimeError, NotImplementedError, TypeError):
+        ptr, elements = 0, t.numel()
+    if not ptr:
+        return ("tensor", id(t)), max(elements, t.numel())
+    return (str(t.device), ptr), elements
+
+
+def _unique(tensors: list) -> int:
+    sizes: dict[object, int] = {}
+    for t in tensors:
+        key, elements = _storage_key(t)
+        sizes[key] = max(sizes.get(key, 0), elements)
+    return sum(sizes.values())
+
+
+def module_tensors(module: Any) -> tuple[list, list, list]:
+    """(parameters, buffers, other tensors) held by a module tree, read from the instances'
+    ``__dict__`` (``_parameters``, ``_buffers``, ``_modules`` and plain attributes, lists,
+    tuples and dicts included), so a module that overrides ``named_parameters`` or keeps
+    layers in a plain list hides nothing. Uninitialized (lazy) parameters are included."""
+    import torch
+
+    params: list = []
+    buffers: list = []
+    others: list = []
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(module, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > 64:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Parameter):
+            params.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            others.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            d = object.__getattribute__(obj, "__dict__")
+            for slot, out in (("_parameters", params), ("_buffers", buffers)):
+                table = d.get(slot)
+                if isinstance(table, dict):
+                    for t in dict.values(table):
+                        if isinstance(t, torch.Tensor):
+                            out.append(t)
+                            seen.add(id(t))
+            for key, value in dict.items(d):
+                if key not in ("_parameters", "_buffers"):
+                    stack.append((value, depth + 1))
+        elif isinstance(obj, dict):
+            stack.extend((v, depth + 1) for v in dict.values(obj))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in obj)
+    return params, buffers, others
+
+
+def count_unique_elements(module: Any) -> tuple[int, int, int]:
+    """Unique storage elements of a module's parameters and buffers.
+
+    Parameters and buffers are found with :func:`module_tensors` (plain tensor attributes count
+    as buffers). Every tensor is charged for the whole storage it views, once per storage:
+    tied weights (one ``Parameter`` registered twice, or two parameters viewing one storage)
+    count once, and a small view into a large hidden storage counts the large storage, since
+    that memory travels with the model. Storages are keyed by (device, data pointer); tensors
+    without a data pointer (meta, zero-size, uninitialized) count their own ``numel()`` each.
+    Elements are ``storage bytes // element size`` (the largest such count when tensors of
+    different dtypes share a storage).
+
+    Returns:
+        (unique elements of parameters and buffers together, of parameters, of buffers) — each
+        deduplicated on its own; the first is not the sum of the other two when they share.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    params, buffers, others = module_tensors(module)
+    buffers = buffers + others
+    return _unique(params + buffers), _unique(params), _unique(buffers)
+
+
+def bundle_global_tensors(root: Path) -> list:
+    """Tensors (and module trees' tensors) held at module level by the bundle's own modules:
+    globals, class attributes, function defaults and closures of bundle code. A model that keeps
+    weights there instead of in itself still pays for them."""
+    import types
+
+    import torch
+
+    root = root.resolve()
+    own = []
+    for mod in list(sys.modules.values()):
+        f = getattr(mod, "__file__", None)
+        if isinstance(mod, types.ModuleType) and f and Path(f).resolve().is_relative_to(root):
+            own.append(mod)
+    names = {m.__name__ for m in own}
+    found: list = []
+    seen: set[int] = set()
+    stack: list[object] = [vars(m) for m in own]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            p, b, o = module_tensors(obj)
+            found += p + b + o
+        elif isinstance(obj, dict):
+            stack.extend(dict.values(obj))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, types.FunctionType) and obj.__module__ in names:
+            stack.extend(c.cell_contents for c in (obj.__closure__ or ()) if _filled(c))
+            stack.extend(obj.__defaults__ or ())
+            stack.extend((obj.__kwdefaults__ or {}).values())
+        elif isinstance(obj, type) and obj.__module__ in names:
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, (staticmethod, classmethod)):
+            stack.append(obj.__func__)
+    return found
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - empty cells raise
+    except ValueError:
+        return False
+    return True
+
+
+def uninitialized(module: Any) -> list[str]:
+    """Names (``attr.attr`` paths) of parameters and buffers still uninitialized (lazy)."""
+    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+
+    out = [n for n, p in _named_params(module) if isinstance(p, UninitializedParameter)]
+    out += [n for n, b in _named_buffers(module) if isinstance(b, UninitializedBuffer)]
+    return out
+
+
+def _named(module: Any, slot: str, prefix: str = "", seen: set[int] | None = None):
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    d = object.__getattribute__(module, "__dict__")
+    table = d.get(slot)
+    if isinstance(table, dict):
+        for k, v in dict.items(table):
+            if v is not None:
+                yield prefix + k, v
+    subs = d.get("_modules")
+    if isinstance(subs, dict):
+        for k, sub in dict.items(subs):
+            if isinstance(sub, torch.nn.Module):
+                yield from _named(sub, slot, f"{prefix}{k}.", seen)
+
+
+def _named_params(module: Any):
+    return _named(module, "_parameters")
+
+
+def _named_buffers(module: Any):
+    return _named(module, "_buffers")
+
+
+# ---------------------------------------------------------------------------------------------
+# child
+
+
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.root).resolve()
+    sys.dont_write_bytecode = True
+    sys.pycache_prefix = tempfile.mkdtemp(prefix="prism-pycache-")
+    sys.path.insert(0, str(root))
+    started = time.perf_counter()
+    try:
+        import torch
+
+        from prism_challenge.evaluator.interface import PrismContext
+        from prism_challenge.evaluator.seeding import force_seeds
+
+        ctx = PrismContext(
+            seed=args.seed,
+            vocab_size=args.vocab_size,
+            sequence_length=args.seq_len,
+            max_parameters=args.max_parameters,
+            device="cpu",
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            artifacts_dir=args.artifacts_dir,
+            token_budget=None,
+            step_budget=None,
+            tokenizer_name=args.tokenizer,
+        )
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"ok": False, "kind": "harness", "error": f"{type(exc).__name__}: {exc}"}
+    import importlib
+
+    try:
+        mod = importlib.import_module(args.module)
+    except MemoryError:
+        return {"ok": False, "kind": "memory", "error": "MemoryError while importing"}
+    except BaseException as exc:  # noqa: BLE001 - bundle code may raise anything
+        return {"ok": False, "kind": "import", "error": _describe(exc)}
+    fn = mod.__dict__.get(args.symbol)
+    if not callable(fn):
+        return {"ok": False, "kind": "symbol", "error": f"{args.module} has no callable {args.symbol!r}"}
+    try:
+        force_seeds(args.seed)
+        model = fn(ctx)
+        if not isinstance(model, torch.nn.Module):
+            return {
+                "ok": False,
+                "kind": "build",
+                "error": f"{args.symbol}(ctx) returned {type(model).__name__}, not a torch.nn.Module",
+            }
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc)}
+    try:
+        gen = torch.Generator().manual_seed(args.seed)
+        tokens = torch.randint(0, max(args.vocab_size, 1), DUMMY_BATCH, generator=gen)
+        with torch.no_grad():
+            model(tokens)
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "kind": _kind(exc, "forward"), "error": _describe(exc)}
+    lazy = uninitialized(model)
+    if lazy:
+        return {"ok": False, "kind": "lazy", "error": f"still uninitialized after one forward: {', '.join(lazy[:5])}"}
+    params, buffers, others = module_tensors(model)
+    held = bundle_global_tensors(root)
+    total = _unique(params + buffers + others + held)
+    return {
+        "ok": True,
+        "count": total,
+        "parameters": _unique(params),
+        "buffers": _unique(buffers + others),
+        "module_level": _unique(held),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _kind(exc: BaseException, default: str) -> str:
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text:
+        return "memory"
+    return default
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Child entry point; see the module docstring. Never returns (``os._exit``)."""
+    parser = argparse.ArgumentParser(prog="python -m prism_challenge.gates.param_count")
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--module", required=True)
+    parser.add_argument("--symbol", required=True)
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--max-parameters", type=int, required=True)
+    parser.add_argument("--artifacts-dir", required=True)
+    parser.add_argument("--tokenizer", default="gpt2")
+    parser.add_argument("--seed", type=int, default=PARAM_COUNT_SEED)
+    args = parser.parse_args(argv)
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # whatever the bundle prints goes to stderr
+    try:
+        result = _child(args)
+    except BaseException as exc:  # noqa: BLE001
+        result = {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc)}
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os.write(real_stdout, (json.dumps(result) + "\n").encode())
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+
+
+@dataclass(frozen=True)
+class ParamResult:
+    """What the child reported.
+
+    Attributes:
+        count: unique storage elements of parameters and buffers, or ``None`` on failure.
+        kind: failure kind (``timeout``, ``memory``, ``build``, ``forward``, ``import``,
+            ``symbol``, ``lazy``, ``crash``, ``harness``) or ``None`` on success.
+        error: one-line failure message (``""`` on success).
+        seconds: wall-clock seconds of the whole child, import of torch included.
+        detail: the child's full JSON object (parameters/buffers split on success).
+    """
+
+    count: int | None
+    kind: str | None
+    error: str
+    seconds: float
+    detail: dict[str, Any]
+
+
+def _limits(memory_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def _src_dir() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def measure_parameters(
+    root: Path,
+    module: str,
+    symbol: str,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    max_parameters: int,
+    tokenizer: str = "gpt2",
+    timeout_s: float = 60.0,
+    memory_bytes: int = 8 << 30,
+) -> ParamResult:
+    """Build the bundle's model in a bounded child and count its parameters.
+
+    Args:
+        root: bundle root (put first on the child's ``sys.path``).
+        module, symbol: the architecture entrypoint (``architecture``, ``build_model``).
+        vocab_size, seq_len, max_parameters, tokenizer: the context handed to ``build_model``.
+        timeout_s: wall-clock limit in seconds for the whole child (torch import included).
+        memory_bytes: address-space limit of the child in bytes (``RLIMIT_AS``).
+
+    Returns:
+        the child's report; never raises for bundle failures (they are ``kind``/``error``).
+
+    Raises:
+        RuntimeError: the child could not be started at all.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_dir(), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "2")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="prism-params-") as work:
+        artifacts = Path(work) / "artifacts"
+        artifacts.mkdir()
+        cmd = [
+            sys.executable,
+            "-s",
+            "-m",
+            "prism_challenge.gates.param_count",
+            "--root", str(root),
+            "--module", module,
+            "--symbol", symbol,
+            "--vocab-size", str(vocab_size),
+            "--seq-len", str(seq_len),
+            "--max-parameters", str(max_parameters),
+            "--artifacts-dir", str(artifacts),
+            "--tokenizer", tokenizer,
+        ]  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=work,
+                env=env,
+                preexec_fn=_limits(memory_bytes),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise RuntimeError(f"cannot start the parameter-count child: {exc}") from exc
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            return ParamResult(
+                None, "timeout", f"no result within {timeout_s:g} s", time.perf_counter() - started, {}
+            )
+    seconds = time.perf_counter() - started
+    lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+    detail: dict[str, Any] = {}
+    if lines:
+        try:
+            detail = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            detail = {}
+    if not isinstance(detail, dict) or "ok" not in detail:
+        tail = " ".join(err.decode("utf-8", "replace").split()[-30:])
+        if proc.returncode and proc.returncode < 0:
+            sig = signal.Signals(-proc.returncode).name
+            kind = "memory" if sig in ("SIGKILL", "SIGSEGV") and "memory" in tail.lower() else "crash"
+            return ParamResult(None, kind, f"child killed by {sig}: {tail}", seconds, {})
+        kind = "memory" if "memory" in tail.lower() else "crash"
+        return ParamResult(None, kind, f"child exited {proc.returncode} without a result: {tail}", seconds, {})
+    if detail.get("ok"):
+        return ParamResult(int(detail["count"]), None, "", seconds, detail)
+    return ParamResult(None, str(detail.get("kind", "build")), str(detail.get("error", "")), seconds, detail)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+if __name__ == "__main__":
+    main()

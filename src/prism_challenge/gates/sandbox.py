@@ -1,0 +1,803 @@
+"""The AST sandbox: every ``.py`` in a bundle is parsed and checked before anything runs.
+
+Nothing here executes bundle code. Each check yields a :class:`~prism_challenge.gates.Finding`
+with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
+
+* imports only from the allowlist (:data:`ALLOWED_ROOTS`, :data:`ALLOWED_MODULES` and the
+  bundle's own modules); known network/process/filesystem/FFI/... modules get their specific
+  rule (:data:`BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
+* builtins :data:`BLOCKED_BUILTINS` (``open``, ``eval``, ...) whenever the name is not a
+  function-local variable (a module- or class-level rebinding does not count: a load before
+  the rebinding still reaches the builtin);
+* introspection attributes :data:`INTROSPECTION_ATTRS` on any object, also as ``getattr``
+  literals and inside ``str.format`` fields; blocked attribute names :data:`BLOCKED_ATTRS`;
+* ``getattr``/``setattr``/``delattr`` with a non-literal name, or passed around uncalled;
+* ``torch.load``/``torch.save`` (and the ``jit``/``export`` variants) unless called directly on
+  a path built from ``ctx.artifacts_dir`` (:func:`artifacts_path`); ``weights_only=False``;
+* paths on allowed modules are looked up on the real modules (``torch.os`` is :mod:`os`,
+  ``F.np`` is numpy, ``F.torch.load`` is ``torch.load``; :mod:`prism_challenge.gates.live`);
+* monkeypatching: attribute or item assignment/deletion on anything that resolves to an
+  imported module or object, ``type(x)``, ``ctx`` or the harness (also through aliases,
+  containers, parameters and attributes of bundle objects); ``__torch_function__`` and
+  ``__array_function__`` overrides, global module hooks, op ``py_impl``; ``torch.Tensor``
+  subclasses (their methods would run inside the harness's scoring) and overrides of the
+  ``nn.Module`` methods the harness relies on (:data:`HARNESS_FACING_METHODS`);
+* private attributes of ``ctx`` and the harness; private torch modules and attributes;
+* forging a context: calling ``PrismContext``, ``dataclasses.replace``, defining an
+  ``artifacts_dir`` of one's own (attribute, keyword, class member or string).
+
+Name resolution is static (:mod:`prism_challenge.gates.astindex`); what it cannot see (objects
+passed through calls to unknown functions, containers mutated by method calls) is left to the
+runtime sandbox.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import re
+import sys
+import tokenize
+from io import BytesIO
+from pathlib import Path
+
+from prism_challenge.gates.astindex import (
+    CTX,
+    TYPE,
+    BundleIndex,
+    ModuleInfo,
+    absolute_module,
+    lookup,
+)
+from prism_challenge.gates.findings import Finding
+from prism_challenge.gates.live import live_name
+
+NET = "prism:no-network"
+PROC = "prism:no-process"
+FS = "prism:no-filesystem"
+FFI = "prism:no-ffi"
+DYN = "prism:no-dynamic-code"
+INTRO = "prism:no-introspection"
+INTER = "prism:no-interactive"
+PICKLE = "prism:no-pickle"
+PATCH = "prism:no-monkeypatch"
+TORCH_IO = "prism:torch-io"
+TORCH_PRIVATE = "prism:torch-private"
+CTX_PRIVATE = "prism:ctx-private"
+CTX_FORGE = "prism:ctx-forge"
+DYN_ATTR = "prism:dynamic-attr"
+NOT_ALLOWED = "prism:import-not-allowed"
+
+ALLOWED_ROOTS = frozenset(
+    {"torch", "math", "typing", "dataclasses", "collections", "functools", "itertools", "__future__"}
+)
+"""Top-level modules a bundle may import (with their submodules, minus :data:`BLOCKED_MODULES`)."""
+
+ALLOWED_MODULES = frozenset({"prism_challenge.evaluator.interface"})
+"""Harness modules a bundle may import, exactly."""
+
+
+def _group(rule: str, names: str) -> dict[str, str]:
+    return {n: rule for n in names.split()}
+
+
+BLOCKED_MODULES: dict[str, str] = {
+    **_group(
+        NET,
+        "socket ssl http urllib urllib2 urllib3 requests httpx aiohttp ftplib smtplib smtpd "
+        "poplib imaplib nntplib telnetlib xmlrpc socketserver asyncio asyncore asynchat "
+        "selectors select webbrowser email wsgiref cgi cgitb huggingface_hub websocket "
+        "websockets grpc paramiko boto3 botocore torch.hub torch.utils.model_zoo "
+        "torch.distributed.rpc torch.distributed.rendezvous",
+    ),
+    **_group(
+        PROC,
+        "os posix nt subprocess _posixsubprocess multiprocessing signal pty tty termios "
+        "threading _thread concurrent resource atexit sched faulthandler platform sysconfig pwd "
+        "grp torch.multiprocessing torch.distributed.run torch.distributed.launch "
+        "torch.distributed.launcher torch.distributed.elastic torch.utils.collect_env",
+    ),
+    **_group(
+        FS,
+        "pathlib shutil io _io tempfile glob fileinput zipfile tarfile gzip bz2 lzma zlib "
+        "sqlite3 dbm mmap filecmp linecache posixpath ntpath genericpath fcntl stat logging "
+        "torch.utils.tensorboard torch.onnx torch.distributed.checkpoint "
+        "torch.utils.data.datapipes torch.utils.hipify",
+    ),
+    **_group(
+        FFI,
+        "ctypes _ctypes cffi numba cython Cython distutils setuptools "
+        "torch.utils.cpp_extension torch.cuda.jiterator torch.utils.benchmark",
+    ),
+    **_group(DYN, "importlib imp runpy code codeop zipimport pkgutil types"),
+    **_group(INTRO, "sys inspect gc builtins __builtin__ traceback dis symtable tracemalloc"),
+    **_group(
+        PICKLE,
+        "pickle _pickle cPickle pickletools dill cloudpickle marshal shelve joblib copyreg "
+        "torch.package torch.serialization",
+    ),
+    **_group(PATCH, "torch.overrides torch.library unittest.mock"),
+    **_group(INTER, "pdb bdb pydoc readline rlcompleter getpass tkinter turtle curses cmd"),
+}
+"""Module (or module prefix) -> the rule its import or use breaks."""
+
+BLOCKED_BUILTINS: dict[str, str] = {
+    **_group(FS, "open"),
+    **_group(DYN, "eval exec compile __import__ __build_class__"),
+    **_group(INTRO, "globals locals vars"),
+    **_group(INTER, "breakpoint input help"),
+    **_group(PROC, "exit quit"),
+}
+"""Builtin name -> rule, for loads of the name that reach the builtin."""
+
+BLOCKED_NAMES: dict[str, str] = _group(INTRO, "__builtins__ __loader__ __spec__")
+"""Module globals that are blocked whatever they are bound to."""
+
+INTROSPECTION_ATTRS = frozenset(
+    (
+        "__globals__ __code__ __closure__ __builtins__ __subclasses__ __bases__ __base__ "
+        "__mro__ __dict__ __class__ __getattribute__ __getattr__ __setattr__ __delattr__ "
+        "__self__ __func__ __defaults__ __kwdefaults__ __traceback__ __loader__ __spec__ "
+        "__import__ __wrapped__ __objclass__ __subclasshook__ __init_subclass__ __set_name__ "
+        "mro gi_frame gi_code gi_yieldfrom gi_running cr_frame cr_code cr_await cr_origin "
+        "ag_frame ag_code ag_await f_globals f_locals f_builtins f_back f_code f_trace "
+        "f_lasti tb_frame tb_next tb_lasti co_code co_consts co_names co_varnames co_filename "
+        "co_cellvars co_freevars func_globals func_code func_closure im_func im_self im_class "
+        "_getframe currentframe __array_namespace__ __getstate__ __setstate__ __getnewargs__ "
+        "__getnewargs_ex__"
+    ).split()
+)
+"""Attributes that lead from an object to frames, code, globals, builtins or class hierarchies."""
+
+BLOCKED_ATTRS: dict[str, str] = {
+    **_group(FFI, "load_library CUDAPluggableAllocator change_current_allocator ctypes jiterator cpp_extension"),
+    **_group(
+        FS,
+        "from_file tofile fromfile dump export_chrome_trace export_stacks export_memory_timeline "
+        "tensorboard_trace_handler FileStore",
+    ),
+    **_group(NET, "TCPStore"),
+    **_group(
+        PICKLE,
+        "all_gather_object broadcast_object_list gather_object scatter_object_list "
+        "send_object_list recv_object_list __reduce__ __reduce_ex__ add_safe_globals",
+    ),
+    **_group(DYN, "get_type_hints ForwardRef CompilationUnit"),
+    **_group(
+        PATCH,
+        "__torch_function__ __torch_dispatch__ __array_function__ __array_ufunc__ py_impl "
+        "register_torch_dispatch",
+    ),
+    **_group(PICKLE, "load_cache_artifacts"),
+}
+"""Attribute names blocked on any object (they reach FFI, files, pickles, eval or patch ops)."""
+
+HOOK_PREFIX = "register_module_"
+"""``torch.nn.modules.module.register_module_*``: global hooks that would see the harness's calls."""
+
+PATCH_DEFS: dict[str, str] = {
+    "__torch_function__": PATCH,
+    "__torch_dispatch__": PATCH,
+    "__array_function__": PATCH,
+    "__array_ufunc__": PATCH,
+    "__reduce__": PICKLE,
+    "__reduce_ex__": PICKLE,
+}
+"""Method names a bundle class may not define."""
+
+HARNESS_FACING_METHODS = frozenset(
+    (
+        "parameters named_parameters buffers named_buffers modules named_modules children "
+        "named_children state_dict _named_members _call_impl _wrapped_call_impl __call__ "
+        "__getattr__ __getattribute__ __setattr__ __delattr__ __instancecheck__ "
+        "__subclasscheck__"
+    ).split()
+)
+"""Methods a bundle class may not override: the harness calls them on the model (counting,
+scoring, mode switches) or they intercept every attribute access."""
+
+TENSOR_CLASSES = frozenset({"torch.Tensor", "torch._tensor.Tensor", TYPE})
+"""Bases a bundle class may not have: a tensor subclass returned as logits would run its own
+methods inside the harness's scoring (``logits[...]``, ``.float()``)."""
+
+TORCH_LOADS = frozenset({"torch.load", "torch.jit.load", "torch.export.load"})
+TORCH_SAVES = frozenset({"torch.save", "torch.jit.save", "torch.export.save"})
+"""Serialization calls allowed only on a path built from ``ctx.artifacts_dir``."""
+
+BLOCKED_QUALNAMES: dict[str, str] = {"dataclasses.replace": CTX_FORGE}
+"""Specific objects whose every reference is blocked."""
+
+PRISM_CONTEXT = "prism_challenge.evaluator.interface.PrismContext"
+_FORMAT_FIELD = re.compile(r"\{([^{}]*)\}")
+_FIELD_ATTR = re.compile(r"[.\[]\s*([A-Za-z_]\w*)")
+_ARTIFACTS_WORD = re.compile(r"\bartifacts_dir\b")
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing
+
+
+def parse_source(rel: str, data: bytes) -> tuple[str | None, ast.Module | None, list[Finding]]:
+    """Decode and parse one bundle file.
+
+    The encoding Python itself would use is detected (BOM, ``coding:`` cookie); anything but
+    UTF-8 is refused, so the text checked is the text that runs.
+
+    Returns:
+        (source text, module tree, findings): text/tree are ``None`` with a ``prism:encoding``
+        or ``prism:syntax`` finding (line and 1-based column of the error) when unreadable.
+    """
+    try:
+        encoding, _ = tokenize.detect_encoding(BytesIO(data).readline)
+    except SyntaxError as exc:
+        return None, None, [Finding("prism:encoding", rel, 1, 0, f"bad encoding declaration: {exc.msg}")]
+    if encoding not in ("utf-8", "utf-8-sig"):
+        return None, None, [
+            Finding("prism:encoding", rel, 1, 0, f"source declares encoding {encoding!r}; only UTF-8")
+        ]
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        return None, None, [Finding("prism:encoding", rel, line, 0, f"not valid UTF-8: {exc.reason}")]
+    try:
+        tree = ast.parse(text, filename=rel)
+    except SyntaxError as exc:
+        return text, None, [
+            Finding("prism:syntax", rel, exc.lineno or 0, exc.offset or 0, f"syntax error: {exc.msg}")
+        ]
+    except ValueError as exc:  # e.g. null bytes on older interpreters
+        return text, None, [Finding("prism:syntax", rel, 0, 0, f"syntax error: {exc}")]
+    return text, tree, []
+
+
+def defines_symbol(tree: ast.Module, symbol: str) -> bool:
+    """Whether a module binds ``symbol`` at top level (def, class, assignment or import),
+    looking inside top-level ``if``/``try``/``with`` blocks."""
+
+    def scan(body: list[ast.stmt]) -> bool:
+        for stmt in body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if stmt.name == symbol:
+                    return True
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for t in targets:
+                    if any(isinstance(n, ast.Name) and n.id == symbol for n in ast.walk(t)):
+                        return True
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                for alias in stmt.names:
+                    bound = alias.asname or alias.name.split(".")[0]
+                    if bound == symbol:
+                        return True
+            elif isinstance(stmt, (ast.If, ast.With, ast.Try)):
+                blocks = [stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", [])]
+                blocks += [h.body for h in getattr(stmt, "handlers", [])]
+                if any(scan(b) for b in blocks):
+                    return True
+        return False
+
+    return scan(tree.body)
+
+
+# ---------------------------------------------------------------------------------------------
+# module-level rules
+
+
+def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
+    """The (rule, reason) an import of ``modname`` breaks, or ``None`` when it is allowed."""
+    parts = modname.split(".")
+    if parts[0] in own:
+        return None
+    for i in range(len(parts), 0, -1):
+        rule = BLOCKED_MODULES.get(".".join(parts[:i]))
+        if rule:
+            return rule, f"module '{modname}' is blocked"
+    if parts[0] == "torch" and any(_private(p) for p in parts[1:]):
+        return TORCH_PRIVATE, f"private torch module '{modname}'"
+    if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES:
+        return None
+    return NOT_ALLOWED, f"module '{modname}' is not on the import allowlist"
+
+
+def shadowed_modules(index: BundleIndex, root: Path) -> list[Finding]:
+    """``prism:shadow-module`` for each bundle top-level module named like a standard or
+    installed module (it would replace that module for the harness code in the same process)."""
+    root = root.resolve()
+    search = []
+    for entry in sys.path:
+        if not entry:
+            continue
+        try:
+            p = Path(entry).resolve()
+        except OSError:
+            continue
+        if p == root or p.is_relative_to(root) or p == Path.cwd().resolve():
+            continue
+        search.append(str(p))
+    out: list[Finding] = []
+    firsts: dict[str, str] = {}
+    for name, info in sorted(index.modules.items()):
+        top = name.split(".")[0]
+        firsts.setdefault(top, info.rel)
+    for top, rel in sorted(firsts.items()):
+        hit = top in sys.stdlib_module_names or top in sys.builtin_module_names
+        hit = hit or top in ("prism_challenge", "torch", "numpy")
+        if not hit:
+            spec = importlib.machinery.PathFinder.find_spec(top, search)
+            hit = spec is not None and spec.origin is not None and spec.loader is not None
+        if hit:
+            out.append(
+                Finding("prism:shadow-module", rel, 0, 0, f"bundle module '{top}' shadows the installed module '{top}'")
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the checker
+
+
+class Checker:
+    """Runs every sandbox rule over one module of an indexed bundle.
+
+    Args:
+        index: the whole bundle (for cross-module resolution).
+        info: the module to check.
+    """
+
+    def __init__(self, index: BundleIndex, info: ModuleInfo) -> None:
+        self.index = index
+        self.info = info
+        self.own = index.top_level_names
+        self.findings: list[Finding] = []
+        self._seen: set[tuple[str, int, int]] = set()
+        self._docstrings = _docstring_ids(info.tree)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def add(self, rule: str, node: ast.AST, message: str) -> None:
+        """Record a finding at ``node`` (one per rule and position)."""
+        line, col = self.info.position(node)
+        key = (rule, line, col)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.findings.append(Finding(rule, self.info.rel, line, col, message))
+
+    def q(self, node: ast.AST, containers: bool = True) -> frozenset[str]:
+        """Canonical qualified names of an expression (see :class:`BundleIndex`)."""
+        scope = self.info.scope_for(node)
+        return self.index.canonical(self.index.resolve(node, scope, containers))
+
+    def parent(self, node: ast.AST) -> ast.AST | None:
+        """The parent node, or ``None`` for the module."""
+        return self.info.parents.get(id(node))
+
+    def is_builtin(self, name: str, node: ast.AST) -> bool:
+        """Whether a load of ``name`` at ``node`` may reach the builtin (not a function local)."""
+        where = lookup(name, self.info.scope_for(node))
+        return where is None or where.kind in ("module", "class")
+
+    # -- driver ----------------------------------------------------------------------------
+    def run(self) -> list[Finding]:
+        """Check the module; return its findings."""
+        for node in self.info.walk():
+            handler = getattr(self, "_on_" + type(node).__name__, None)
+            if handler is not None:
+                handler(node)
+        return self.findings
+
+    # -- imports ---------------------------------------------------------------------------
+    def _on_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            hit = module_rule(alias.name, self.own)
+            if hit:
+                self.add(hit[0], node, f"import {alias.name}: {hit[1]}")
+            elif alias.name.startswith("prism_challenge") and not alias.asname:
+                self.add(NOT_ALLOWED, node, f"import {alias.name}: use 'from {alias.name} import ...'")
+
+    def _on_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = absolute_module(node, self.info)
+        relative = node.level > 0
+        for alias in node.names:
+            if alias.name == "*":
+                self.add(NOT_ALLOWED, node, f"from {base or '.'} import *: star imports hide names from the gate")
+                continue
+            full = f"{base}.{alias.name}" if base else alias.name
+            if not relative:
+                hit = module_rule(base, self.own)
+                if hit and module_rule(full, self.own) is None and full in ALLOWED_MODULES:
+                    hit = None
+                if hit is None:
+                    hit = self._from_name_rule(full, alias.name)
+                if hit:
+                    self.add(hit[0], node, f"from {base} import {alias.name}: {hit[1]}")
+                    continue
+            self._attr_name_rules(node, alias.name, frozenset({base}))
+
+    def _from_name_rule(self, full: str, name: str) -> tuple[str, str] | None:
+        parts = full.split(".")
+        if parts[0] in self.own:
+            return None
+        for i in range(len(parts), 1, -1):
+            rule = BLOCKED_MODULES.get(".".join(parts[:i]))
+            if rule:
+                return rule, f"'{full}' is blocked"
+        rule = BLOCKED_QUALNAMES.get(full)
+        if rule:
+            return rule, f"'{full}' is blocked"
+        live = live_name(full)
+        if live is None:
+            return None
+        if live.startswith("builtins."):
+            rule = BLOCKED_BUILTINS.get(live[len("builtins.") :])
+            return (rule, f"'{full}' is {live}") if rule else None
+        hit = module_rule(live, self.own)
+        return (hit[0], f"'{full}' is {live}") if hit else None
+
+    # -- names -----------------------------------------------------------------------------
+    def _on_Name(self, node: ast.Name) -> None:
+        if node.id in BLOCKED_NAMES:
+            self.add(BLOCKED_NAMES[node.id], node, f"'{node.id}' reaches the interpreter's internals")
+            return
+        if isinstance(node.ctx, ast.Store):
+            scope = self.info.scope_for(node)
+            if scope.kind == "class":
+                self._class_member(node, node.id)
+            return
+        if not isinstance(node.ctx, ast.Load):
+            return
+        if node.id in BLOCKED_BUILTINS and self.is_builtin(node.id, node):
+            self.add(BLOCKED_BUILTINS[node.id], node, f"builtin '{node.id}' is blocked")
+            return
+        if node.id in ("getattr", "setattr", "delattr") and self.is_builtin(node.id, node):
+            if not self._is_call_func(node):
+                self.add(DYN_ATTR, node, f"'{node.id}' passed around uncalled hides attribute names")
+            return
+        self._reference(node, self.q(node))
+
+    def _class_member(self, node: ast.AST, name: str) -> None:
+        if name in PATCH_DEFS:
+            self.add(PATCH_DEFS[name], node, f"a bundle class may not define '{name}'")
+        if name == "artifacts_dir":
+            self.add(CTX_FORGE, node, "defines an 'artifacts_dir' of its own")
+
+    def _on_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._class_member(node, node.name)
+        if self.info.scope_for(node).kind == "class" and node.name in HARNESS_FACING_METHODS:
+            self.add(PATCH, node, f"a bundle class may not override '{node.name}' (the harness relies on it)")
+
+    def _on_ClassDef(self, node: ast.ClassDef) -> None:
+        for base in node.bases:
+            if self.q(base) & TENSOR_CLASSES:
+                self.add(PATCH, node, "a torch.Tensor subclass would run its own methods inside the harness")
+            if isinstance(base, ast.Starred):
+                self.add(DYN_ATTR, node, "class bases from a starred expression hide the base classes")
+        for kw in node.keywords:
+            if kw.arg == "metaclass":
+                self.add(PATCH, node, "a custom metaclass can intercept class and instance checks")
+
+    _on_AsyncFunctionDef = _on_FunctionDef
+
+    def _on_keyword(self, node: ast.keyword) -> None:
+        if node.arg == "artifacts_dir":
+            self.add(CTX_FORGE, self.parent(node) or node, "passes an 'artifacts_dir' of its own")
+
+    def _on_Constant(self, node: ast.Constant) -> None:
+        if not isinstance(node.value, str) or id(node) in self._docstrings:
+            return
+        text = node.value
+        for fld in _FORMAT_FIELD.findall(text):
+            for attr in _FIELD_ATTR.findall(fld):
+                if attr in INTROSPECTION_ATTRS:
+                    self.add(INTRO, node, f"format field reaches '{attr}'")
+        if _ARTIFACTS_WORD.search(text) and not self._is_attr_literal(node):
+            self.add(CTX_FORGE, node, "string names 'artifacts_dir' (building a context of one's own)")
+
+    def _is_attr_literal(self, node: ast.Constant) -> bool:
+        p = self.parent(node)
+        return (
+            isinstance(p, ast.Call)
+            and isinstance(p.func, ast.Name)
+            and p.func.id in ("getattr", "hasattr")
+            and len(p.args) >= 2
+            and p.args[1] is node
+        )
+
+    # -- attributes ------------------------------------------------------------------------
+    def _on_Attribute(self, node: ast.Attribute) -> None:
+        base_q = self.q(node.value)
+        self._attr_name_rules(node, node.attr, base_q)
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self._store(node, node.attr, base_q, isinstance(node.ctx, ast.Del))
+            return
+        full = self.q(node)
+        self._blocked_prefix(node, base_q, full)
+        self._reference(node, full)
+
+    def _attr_name_rules(self, node: ast.AST, attr: str, base_q: frozenset[str]) -> None:
+        if attr in INTROSPECTION_ATTRS:
+            self.add(INTRO, node, f"attribute '{attr}' reaches the interpreter's internals")
+        elif attr in BLOCKED_ATTRS:
+            self.add(BLOCKED_ATTRS[attr], node, f"attribute '{attr}' is blocked")
+        elif attr.startswith(HOOK_PREFIX):
+            self.add(PATCH, node, f"'{attr}' installs a global hook over every module")
+        if not attr.startswith("_"):
+            return
+        if any(_root(b) in (CTX, "prism_challenge") for b in base_q):
+            self.add(CTX_PRIVATE, node, f"private attribute '{attr}' of the context or harness")
+        elif not (attr.startswith("__") and attr.endswith("__")) and any(
+            _root(b) == "torch" for b in base_q
+        ):
+            self.add(TORCH_PRIVATE, node, f"private torch attribute '{attr}'")
+
+    def _store(self, node: ast.AST, attr: str, base_q: frozenset[str], delete: bool) -> None:
+        if attr == "artifacts_dir":
+            self.add(CTX_FORGE, node, "sets an 'artifacts_dir' of its own")
+        if base_q:
+            what = _describe(base_q)
+            verb = "deletes" if delete else "assigns"
+            self.add(PATCH, node, f"{verb} attribute '{attr}' of {what}")
+
+    def _on_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            base_q = self.q(node.value, containers=False)
+            if base_q:
+                self.add(PATCH, node, f"assigns an item of {_describe(base_q)}")
+
+    def _blocked_prefix(self, node: ast.AST, base_q: frozenset[str], full: frozenset[str]) -> None:
+        def rule_of(q: str) -> str | None:
+            if _root(q) in self.own or q.startswith("<") or _root(q) == "builtins":
+                return None
+            hit = module_rule(q, self.own)
+            return hit[0] if hit else None
+
+        if any(rule_of(b) for b in base_q):
+            return  # already reported where the path first left the allowlist
+        for q in sorted(full):
+            hit = rule_of(q)
+            if hit:
+                self.add(hit, node, f"'{q}' is blocked")
+                return
+
+    def _reference(self, node: ast.AST, qs: frozenset[str]) -> None:
+        """Rules about what an expression *is*: torch.load/save, blocked objects, ctx forging."""
+        call = self._call_of(node)
+        for q in sorted(qs):
+            if q.startswith("builtins.") and not isinstance(node, ast.Name):
+                name = q[len("builtins.") :]
+                if name in BLOCKED_BUILTINS:
+                    self.add(BLOCKED_BUILTINS[name], node, f"'{q}' is blocked")
+                elif name in ("getattr", "setattr", "delattr"):
+                    self.add(DYN_ATTR, node, f"'{q}' reached through a module")
+            if q in TORCH_LOADS or q in TORCH_SAVES:
+                if call is None:
+                    self.add(TORCH_IO, node, f"'{q}' referenced without calling it directly")
+                else:
+                    self._torch_io_call(call, q)
+            rule = BLOCKED_QUALNAMES.get(q)
+            if rule:
+                self.add(rule, node, f"'{q}' is blocked")
+            if q == PRISM_CONTEXT and not self._type_use(node):
+                self.add(CTX_FORGE, node, "PrismContext used other than as a type (forging a context)")
+            if call is not None and q.startswith(CTX + ".__class__"):
+                self.add(CTX_FORGE, node, "calls the context's type (forging a context)")
+
+    def _type_use(self, node: ast.AST) -> bool:
+        if id(node) in self.info.annotation_nodes:
+            return True
+        p = self.parent(node)
+        if isinstance(p, ast.Tuple):
+            p = self.parent(p)
+        return (
+            isinstance(p, ast.Call)
+            and isinstance(p.func, ast.Name)
+            and p.func.id in ("isinstance", "issubclass")
+            and len(p.args) == 2
+            and node is not p.args[0]
+        )
+
+    def _is_call_func(self, node: ast.AST) -> bool:
+        p = self.parent(node)
+        return isinstance(p, ast.Call) and p.func is node
+
+    def _call_of(self, node: ast.AST) -> ast.Call | None:
+        p = self.parent(node)
+        return p if isinstance(p, ast.Call) and p.func is node else None
+
+    # -- calls -----------------------------------------------------------------------------
+    def _on_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Call) and any(q.startswith(CTX + ".__class__") for q in self.q(func)):
+            self.add(CTX_FORGE, node, "calls the context's type (forging a context)")
+        if isinstance(func, ast.Name) and func.id in ("getattr", "setattr", "delattr"):
+            if self.is_builtin(func.id, func):
+                self._dynamic_attr(node, func.id)
+
+    def _dynamic_attr(self, node: ast.Call, which: str) -> None:
+        if len(node.args) < 2 or not (
+            isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+        ):
+            self.add(DYN_ATTR, node, f"{which}() with a name that is not a string literal")
+            return
+        attr = node.args[1].value
+        base_q = self.q(node.args[0])
+        self._attr_name_rules(node, attr, base_q)
+        if which == "getattr":
+            full = self.q(node)
+            self._blocked_prefix(node, base_q, full)
+            self._reference(node, full)
+        else:
+            self._store(node, attr, base_q, which == "delattr")
+
+    def _torch_io_call(self, call: ast.Call, q: str) -> None:
+        is_save = q in TORCH_SAVES
+        path = _arg(call, 1 if is_save else 0, "f")
+        if path is None or not artifacts_path(path, self):
+            verb = "writes" if is_save else "reads"
+            self.add(TORCH_IO, call, f"{q} {verb} a path not built from ctx.artifacts_dir")
+        if not is_save:
+            for kw in call.keywords:
+                if kw.arg == "weights_only" and not (
+                    isinstance(kw.value, ast.Constant) and kw.value.value is True
+                ):
+                    self.add(PICKLE, call, f"{q} with weights_only other than True unpickles code")
+                if kw.arg == "pickle_module" or kw.arg is None:
+                    self.add(PICKLE, call, f"{q} with a custom pickle module or **kwargs")
+
+
+def artifacts_path(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
+    """Whether a path expression is built from ``ctx.artifacts_dir``.
+
+    Accepted: ``ctx.artifacts_dir`` itself (``ctx`` resolving to the context and nothing else),
+    optionally followed (``+`` or an f-string) by string literals that together start with
+    ``/`` and hold no ``..``; or a function-local name every binding of which is accepted.
+    """
+    if depth > 8:
+        return False
+    if isinstance(node, ast.Attribute) and node.attr == "artifacts_dir":
+        return is_context(node.value, checker)
+    if isinstance(node, ast.Name):
+        where = lookup(node.id, checker.info.scope_for(node))
+        if where is None or where.kind not in ("function", "comprehension"):
+            return False
+        bindings = where.bindings.get(node.id, [])
+        return bool(bindings) and all(
+            b[0] == "expr" and artifacts_path(b[1], checker, depth + 1) for b in bindings
+        )
+    parts: list[ast.AST]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        parts = _flatten_add(node)
+    elif isinstance(node, ast.JoinedStr) and node.values:
+        head = node.values[0]
+        if not (
+            isinstance(head, ast.FormattedValue)
+            and head.conversion == -1
+            and head.format_spec is None
+        ):
+            return False
+        parts = [head.value, *node.values[1:]]
+    else:
+        return False
+    if not artifacts_path(parts[0], checker, depth + 1):
+        return False
+    texts = [p.value for p in parts[1:] if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+    if len(texts) != len(parts) - 1:
+        return False
+    suffix = "".join(texts)
+    return not suffix or (suffix.startswith("/") and ".." not in suffix and "\0" not in suffix)
+
+
+def is_context(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
+    """Whether ``node`` is certainly the harness context: a function parameter that is the
+    first parameter of an entrypoint (or annotated with ``PrismContext``), every call of whose
+    function in the bundle passes a name that is itself certainly the context."""
+    if depth > 6 or not isinstance(node, ast.Name):
+        return False
+    index = checker.index
+    where = lookup(node.id, checker.info.scope_for(node))
+    if where is None or where.kind != "function":
+        return False
+    bindings = where.bindings.get(node.id, [])
+    if not bindings or any(b[0] != "param" for b in bindings):
+        return False
+    for _, fn, name, pos, is_method in bindings:
+        if index.resolve(node, where) != frozenset({CTX}):
+            return False
+        fn_name = getattr(fn, "name", None)
+        for call, info in index.calls.get(fn_name or "", ()):
+            if not may_call(index, fn, call, info):
+                continue
+            shift = 1 if is_method and isinstance(call.func, ast.Attribute) else 0
+            args = [kw.value for kw in call.keywords if kw.arg == name]
+            if 0 <= pos - shift < len(call.args):
+                args.append(call.args[pos - shift])
+            if any(isinstance(a, ast.Starred) for a in call.args) or any(
+                kw.arg is None for kw in call.keywords
+            ):
+                return False
+            sub = Checker(index, info) if info is not checker.info else checker
+            if not args or not all(is_context(a, sub, depth + 1) for a in args):
+                return False
+    return True
+
+
+def may_call(index: BundleIndex, fn: ast.AST, call: ast.Call, info: ModuleInfo) -> bool:
+    """Whether ``call`` (matched by name) may call the bundle function ``fn``."""
+    qs = index.canonical(index.resolve(call.func, info.scope_for(call)))
+    if not qs:
+        return True
+    scope = index.scope_of_def(fn)
+    if scope is None or scope.kind != "module":
+        return False
+    return f"{index.info_of(scope).name}.{getattr(fn, 'name', '')}" in qs
+
+
+def _flatten_add(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return [*_flatten_add(node.left), *_flatten_add(node.right)]
+    return [node]
+
+
+def _arg(call: ast.Call, pos: int, name: str) -> ast.AST | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    if pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: pos + 1]):
+        return call.args[pos]
+    return None
+
+
+def _root(q: str) -> str:
+    return q.split(".")[0]
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _describe(qs: frozenset[str]) -> str:
+    named = sorted(q for q in qs if not q.startswith("<"))
+    if CTX in qs or any(q.startswith(CTX + ".") for q in qs):
+        return "the context (ctx)"
+    if TYPE in qs:
+        return "a type (type(x))"
+    return f"'{min(named, key=len)}'" if named else "an imported object"
+
+
+def _docstring_ids(tree: ast.Module) -> set[int]:
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def check_modules(index: BundleIndex) -> list[Finding]:
+    """Run the sandbox over every module of ``index``; findings in file order."""
+    out: list[Finding] = []
+    for name in sorted(index.modules, key=lambda n: index.modules[n].rel):
+        out.extend(Checker(index, index.modules[name]).run())
+    return out
+
+
+__all__ = [
+    "ALLOWED_MODULES",
+    "ALLOWED_ROOTS",
+    "BLOCKED_ATTRS",
+    "BLOCKED_BUILTINS",
+    "BLOCKED_MODULES",
+    "INTROSPECTION_ATTRS",
+    "HARNESS_FACING_METHODS",
+    "TENSOR_CLASSES",
+    "Checker",
+    "artifacts_path",
+    "is_context",
+    "may_call",
+    "check_modules",
+    "defines_symbol",
+    "module_rule",
+    "parse_source",
+    "shadowed_modules",
+]

@@ -1,0 +1,112 @@
+"""``prism check BUNDLE [--json]``: exit 0 clean, 1 blocked, 2 unreadable; table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+from prism_challenge.gates.cli import add_check_parser
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny-1m"
+
+
+def check(argv: list[str], capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="prism")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_check_parser(sub)
+    args = parser.parse_args(["check", *argv])
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def hostile(tmp_path: Path) -> Path:
+    root = tmp_path / "hostile"
+    root.mkdir()
+    (root / "architecture.py").write_text(
+        (EXAMPLE / "architecture.py").read_text() + "\nimport socket\n"
+    )
+    (root / "training.py").write_text((EXAMPLE / "training.py").read_text())
+    return root
+
+
+def test_clean_bundle_exits_0_with_json(capsys):
+    code, out = check([str(EXAMPLE), "--json", "--no-params"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["findings"] == [] and data["blocking"] is False
+    assert data["bundle"]["architecture"] == "architecture.py:build_model"
+    assert data["bundle"]["training"] == "training.py:train"
+    assert data["param_count"] is None
+
+
+def test_blocking_finding_exits_1_table_and_json(tmp_path, capsys):
+    root = hostile(tmp_path)
+    code, out = check([str(root), "--no-params"], capsys)
+    assert code == 1
+    assert "prism:no-network" in out and "BLOCKED" in out
+    code, out = check([str(root), "--json", "--no-params"], capsys)
+    assert code == 1
+    (f,) = json.loads(out)["findings"]
+    assert (f["rule"], f["file"], f["blocking"]) == ("prism:no-network", "architecture.py", True)
+    assert f["line"] == len((root / "architecture.py").read_text().splitlines())
+
+
+def test_advisory_only_exits_0_and_nproc_makes_it_block(tmp_path, capsys):
+    root = hostile(tmp_path)
+    (root / "architecture.py").write_text((EXAMPLE / "architecture.py").read_text())
+    (root / "training.py").write_text(
+        (EXAMPLE / "training.py").read_text().replace("dist.destroy_process_group()", "pass")
+    )
+    code, out = check([str(root), "--no-params"], capsys)
+    assert code == 0 and "advisory" in out and "prism:ddp-destroy" in out
+    code, _ = check([str(root), "--no-params", "--nproc", "4"], capsys)
+    assert code == 1
+
+
+def test_unreadable_bundle_exits_2(tmp_path, capsys):
+    code, out = check([str(tmp_path / "missing")], capsys)
+    assert code == 2 and "prism:bundle-unreadable" in out
+    z = tmp_path / "evil.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("../evil.py", "x = 1\n")
+    code, out = check([str(z), "--json"], capsys)
+    assert code == 2
+    data = json.loads(out)
+    assert data["error"]["rule"] == "prism:zip-parent-path" and "../evil.py" in data["error"]["message"]
+    code, out = check([str(EXAMPLE), "--nproc", "0"], capsys)
+    assert code == 2
+
+
+def test_launch_limits_block(capsys):
+    code, out = check([str(EXAMPLE), "--json", "--no-params", "--nproc", "16", "--nnodes", "2"], capsys)
+    assert code == 1
+    rules = [(f["rule"], f["file"]) for f in json.loads(out)["findings"]]
+    assert rules == [("prism:launch-limit", ""), ("prism:launch-limit", "")]
+
+
+def test_param_cap_flag(capsys):
+    code, out = check([str(EXAMPLE), "--json", "--max-parameters", "1000000"], capsys)
+    assert code == 1
+    data = json.loads(out)
+    assert data["param_count"] == 1_020_420
+    assert [f["rule"] for f in data["findings"]] == ["prism:param-cap"]
+
+
+def test_check_example_exits_0_in_under_10_s():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    cmd = [sys.executable, "-m", "prism_challenge.gates.cli", str(EXAMPLE)]
+    if Path("/usr/bin/taskset").exists():
+        cmd = ["/usr/bin/taskset", "-c", "0,1", *cmd]  # 2 cores, as the acceptance says
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout and "1,020,420" in proc.stdout
+    assert elapsed < 10.0, elapsed
