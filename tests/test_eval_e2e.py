@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 def run(tmp_path, bundle, **kw):
     kw.setdefault("run_gates", False)
+    kw.setdefault("heldout_bytes", 0)  # the held-out stage has tests of its own
     return evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / "run"), device="cpu", **kw))
 
 

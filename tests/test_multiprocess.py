@@ -16,6 +16,7 @@ ARCH = (EXAMPLE / "architecture.py").read_text()
 def run(tmp_path, bundle, name="run", **kw):
     kw.setdefault("run_gates", False)
     kw.setdefault("seq_len", 64)
+    kw.setdefault("heldout_bytes", 0)
     return evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / name), device="cpu", threads=1, **kw))
 
 

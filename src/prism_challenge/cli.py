@@ -57,6 +57,10 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--max-parameters", type=_positive_int, default=ev.DEFAULT_MAX_PARAMETERS)
     p.add_argument("--rank-timeout", type=_positive_float, default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
+    p.add_argument("--isolation", choices=["strict", "none"], default="strict",
+                   help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
+    p.add_argument("--heldout-bytes", type=int, default=ev.DEFAULT_HELDOUT_BYTES, metavar="BYTES",
+                   help="UTF-8 bytes of the val split for the held-out delta; 0 disables (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(func=_cmd_eval)
 
@@ -65,6 +69,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from prism_challenge import evaluate as ev
     from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
     from prism_challenge.report import print_failure, print_summary
 
@@ -73,8 +78,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         bundle=args.bundle, data_dir=args.data_dir, out_dir=args.out_dir, seed=args.seed, seq_len=args.seq_len,
         token_budget=args.token_budget, step_budget=args.step_budget, wall_clock_budget=args.wall_clock_budget,
         nproc=args.nproc, nnodes=args.nnodes, device=args.device, threads=args.threads,
-        max_parameters=args.max_parameters, rank_timeout=args.rank_timeout,
+        max_parameters=args.max_parameters, rank_timeout=args.rank_timeout, isolation=args.isolation,
+        heldout_bytes=args.heldout_bytes,
     )
+    if args.isolation == "none":
+        console.print(f"[bold red on yellow] WARNING [/] [bold]{ev.NO_ISOLATION_WARNING}[/]")
     progress = Progress(
         TextColumn("[bold]prequential"),
         BarColumn(),

@@ -26,15 +26,26 @@ import torch
 
 from prism_challenge import __version__
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
-from prism_challenge.data.builtin import ensure_builtin
+from prism_challenge.data.builtin import default_cache_root, ensure_builtin
+from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
+from prism_challenge.evaluator.isolation import (
+    Guard,
+    IsolationError,
+    Limits,
+    available_backend,
+    pick_sandbox_uid,
+    sandbox_prefix,
+)
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
+from prism_challenge.verdict import Policy, build_verdict
 
 DEFAULT_SEED = 1234
 DEFAULT_SEQ_LEN = 256
@@ -45,6 +56,18 @@ WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after 
 LOG_TAIL_LINES = 12
 DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
 STATE_NAME = "trained_state.pt"
+DEFAULT_MEMORY_LIMIT = 32 << 30  # RLIMIT_AS per process on CPU (torch reserves much address space)
+DEFAULT_MAX_PROCESSES = 1024  # tasks (processes + threads) of the sandbox uid
+DEFAULT_MAX_FILE_BYTES = 4 << 30
+DEFAULT_MAX_OPEN_FILES = 4096
+DEFAULT_ARTIFACTS_QUOTA = 4 << 30
+DEFAULT_HELDOUT_BYTES = 200_000
+DEFAULT_HELDOUT_TIMEOUT_S = 600.0
+HELDOUT_BATCH = 8
+NO_ISOLATION_WARNING = (
+    "--isolation none: the submission ran unsandboxed, with this user's network, files and privileges; "
+    "this run is not tamper-resistant and must not be ranked"
+)
 
 
 @dataclass
@@ -53,7 +76,13 @@ class EvalOptions:
 
     Budgets: ``token_budget`` (stream tokens), ``step_budget`` (global batches),
     ``wall_clock_budget`` (seconds from launch; graceful: the stream stops and what was scored
-    is scored).
+    is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
+
+    Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
+    read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
+    ``memory_limit_bytes`` per process, ``max_processes`` tasks, ``max_file_bytes`` per file,
+    ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
+    Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
     """
 
     bundle: str
@@ -71,6 +100,15 @@ class EvalOptions:
     max_parameters: int = DEFAULT_MAX_PARAMETERS
     run_gates: bool = True
     rank_timeout: float = DEFAULT_RANK_TIMEOUT_S
+    isolation: str = "strict"
+    memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT
+    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES
+    max_open_files: int | None = DEFAULT_MAX_OPEN_FILES
+    artifacts_quota_bytes: int | None = DEFAULT_ARTIFACTS_QUOTA
+    heldout_bytes: int = DEFAULT_HELDOUT_BYTES
+    heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
+    policy: Policy = field(default_factory=Policy)
 
 
 class EvalFailure(RuntimeError):
@@ -166,6 +204,8 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
         raise EvalFailure("config", str(exc)) from None
     if opts.seq_len < 2:
         raise EvalFailure("config", f"--seq-len {opts.seq_len}: must be at least 2")
+    if opts.isolation not in ("strict", "none"):
+        raise EvalFailure("config", f"--isolation {opts.isolation!r}: must be strict or none")
     device = _resolve_device(opts.device)
 
     # 1. intake and static gates
@@ -206,11 +246,71 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
         cleanup()
 
 
+@dataclass
+class _Sandbox:
+    """The isolation of one run: argv prefixes for the training tree and the held-out child."""
+
+    mode: str
+    prefix: list[str]
+    guard: Guard | None
+    hidden: list[str]
+    limits: Limits
+    backend: str | None
+    uid: int | None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "isolated": self.mode == "strict",
+            "backend": self.backend,
+            "hidden": self.hidden,
+            "limits": asdict(self.limits),
+        }
+        if self.mode == "none":
+            out["warning"] = NO_ISOLATION_WARNING
+        if self.guard is not None:
+            out["guard"] = self.guard.summary()
+        return out
+
+
+def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path, data_root: Path,
+             bundle: Bundle, device: str) -> _Sandbox:
+    """Plan the sandbox (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
+    limits = Limits(
+        address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
+        max_processes=opts.max_processes,
+        max_file_bytes=opts.max_file_bytes,
+        max_open_files=opts.max_open_files,
+    )
+    hidden = [str(p) for p in (data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model")]
+    if opts.isolation == "none":
+        return _Sandbox("none", [], Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes), hidden, limits, None, None)
+    try:
+        backend = available_backend()
+        uid = pick_sandbox_uid() if os.geteuid() == 0 else None
+        prefix = sandbox_prefix(
+            opts.isolation, writable=[artifacts], hidden=hidden, tmp_dir=None, socket_dir=socket_dir,
+            bundle_dir=bundle.root, limits=limits, uid=uid, backend=backend,
+        )
+    except IsolationError as exc:
+        raise EvalFailure("isolation", str(exc)) from None
+    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=opts.max_processes)
+    return _Sandbox(opts.isolation, prefix, guard, hidden, limits, backend, uid)
+
+
+def _heldout_prefix(sandbox: _Sandbox, bundle: Bundle) -> list[str]:
+    """The held-out child's sandbox: nothing writable, the same hidden paths, no network."""
+    if sandbox.mode == "none":
+        return []
+    limits = Limits(max_processes=sandbox.limits.max_processes, max_open_files=sandbox.limits.max_open_files)
+    return sandbox_prefix(sandbox.mode, writable=[], hidden=sandbox.hidden, tmp_dir=None, socket_dir=None,
+                          bundle_dir=bundle.root, limits=limits, uid=sandbox.uid, backend=sandbox.backend)
+
+
 def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[Any], param_count_gate: int | None,
                 gates_s: float, t_start: float, on_start, on_record) -> EvalOutcome:
-    """Stages after the gates: data, feeder, torchrun, scoring, manifest."""
-
-    # 2. tokenizer and locked data
+    """Stages after the gates: data, sandbox, feeder, torchrun, scoring, held-out, manifest."""
+    # 2. tokenizer and locked data (verified before anything is launched)
     try:
         tokenizer = reference_tokenizer(bundle.tokenizer)
     except TokenizerError as exc:
@@ -219,10 +319,11 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         data_dir = Path(opts.data_dir) if opts.data_dir else ensure_builtin()
         data = load_manifest(data_dir)
         data.verify("train")
+        chunks = train_stream(data, tokenizer)
     except DataError as exc:
         raise EvalFailure("data", str(exc)) from None
 
-    # 3. run directory, feeder, torchrun
+    # 3. run directory, feeder socket, sandbox, torchrun
     run_dir = _new_run_dir(opts, bundle)
     artifacts = run_dir / "artifacts"
     artifacts.mkdir()
@@ -252,7 +353,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
 
     feeder = Feeder(
         sock_path,
-        train_stream(data, tokenizer),
+        chunks,
         config,
         world_size=opts.nproc,
         vocab_size=tokenizer.vocab_size,
@@ -261,6 +362,13 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         wall_clock_budget=opts.wall_clock_budget,
         on_record=_recorded,
     )
+    try:
+        sandbox = _sandbox(opts, run_dir, artifacts, Path(sock_path).parent, data.root, bundle, device)
+    except EvalFailure:
+        feeder.close()
+        if sock_tmp is not None:
+            shutil.rmtree(sock_tmp, ignore_errors=True)
+        raise
     if on_start is not None:
         if opts.token_budget:
             on_start({"total": opts.token_budget, "unit": "tokens"})
@@ -275,68 +383,42 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         log_path,
         threads=opts.threads,
         cwd=artifacts,
+        wrap=sandbox.prefix,
     )
-    killed_by = None
     try:
-        while proc.poll() is None:
-            time.sleep(0.02)
-            now = time.monotonic()
-            if feeder.failed.is_set():
-                time.sleep(0.5)  # let the runner finish writing its report, then stop the tree
-                killed_by = "failure"
-                break
-            if opts.wall_clock_budget is not None and now - t_launch > opts.wall_clock_budget + WATCHDOG_GRACE_S:
-                killed_by = "watchdog"
-                break
-            stalled = feeder.check_stall(opts.rank_timeout)
-            if stalled is not None:
-                stage, message, rank = stalled
-                feeder.fail(stage, f"{message} [--rank-timeout {opts.rank_timeout:g} s]", rank=rank)
-                killed_by = "failure"
-                break
-            if feeder.all_done():
-                deadline = now + DONE_GRACE_S
-                while proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                break
+        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_launch)
     finally:
         if proc.poll() is None:
             proc.kill()
+        if sandbox.guard is not None:
+            sandbox.guard.kill()
         result = feeder.finish()
         if sock_tmp is not None:
             shutil.rmtree(sock_tmp, ignore_errors=True)
     t_end = time.monotonic()
 
-    # 4. score
-    failure: EvalFailure | None = None
+    # 4. score what was scored
+    failure = _judge(opts, result, killed_by, proc, log_path)
     score: Score | None = None
-    if result.error is not None:
-        err = result.error
-        failure = EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path))
-    elif killed_by == "watchdog":
-        result.stop_reason = "wall_clock_budget"
-    elif len(result.done) < opts.nproc:
-        failure = EvalFailure(
-            "runner",
-            f"the run ended without a report from rank(s) "
-            f"{sorted(set(range(opts.nproc)) - set(result.done))} (torchrun exit code {proc.proc.returncode})",
-            _log_tail(log_path),
-        )
-    if failure is None and not result.steps:
-        failure = EvalFailure(
-            "contract", "no batch was scored: the loop never iterated ctx.iter_train_batches(...)"
-        )
     if failure is None:
         try:
             score = prequential_score(result.steps)
         except ScoringError as exc:
             failure = EvalFailure("scoring", str(exc))
-
     state_path = None
     if result.state and failure is None:
         state_path = run_dir / "model" / STATE_NAME
-        state_path.parent.mkdir()
+        state_path.parent.mkdir(exist_ok=True)
         torch.save(result.state, state_path)
+
+    # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
+    verdict = None
+    if score is not None:
+        heldout, heldout_error = _heldout(opts, sandbox, bundle, data, tokenizer, device, result, state_path)
+        verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
+                                heldout_error=heldout_error, policy=opts.policy)
+    t_done = time.monotonic()
+
     planted = discard_planted(artifacts)
     manifest = _manifest(
         opts, bundle, data, tokenizer, device, result, score, failure, findings, param_count_gate, planted, state_path,
@@ -345,11 +427,94 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
             "launch_to_first_batch_s": (result.first_batch_at - t_launch) if result.first_batch_at else None,
             "launch_to_last_record_s": (result.last_record_at - t_launch) if result.last_record_at else None,
             "after_stream_s": (t_end - result.last_record_at) if result.last_record_at else None,
-            "wall_s": t_end - t_start,
+            "heldout_s": t_done - t_end,
+            "wall_s": t_done - t_start,
         },
     )
+    manifest["isolation"] = sandbox.summary()
+    manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_launch: float) -> str | None:
+    """Wait for the run to end; returns why the parent stopped it early (or ``None``)."""
+    while proc.poll() is None:
+        time.sleep(0.02)
+        now = time.monotonic()
+        if feeder.failed.is_set():
+            time.sleep(0.5)  # let the runner finish writing its report, then stop the tree
+            return "failure"
+        if opts.wall_clock_budget is not None and now - t_launch > opts.wall_clock_budget + WATCHDOG_GRACE_S:
+            return "watchdog"
+        stalled = feeder.check_stall(opts.rank_timeout)
+        if stalled is not None:
+            stage, message, rank = stalled
+            feeder.fail(stage, f"{message} [--rank-timeout {opts.rank_timeout:g} s]", rank=rank)
+            return "failure"
+        reason = guard.check(now) if guard is not None else None
+        if reason is not None:
+            feeder.fail("resources", reason)
+            return "failure"
+        if feeder.all_done():
+            deadline = now + DONE_GRACE_S
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return None
+    return None
+
+
+def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc, log_path: Path) -> EvalFailure | None:
+    """Why the run cannot be scored, or ``None`` (a watchdog stop is scored on what was scored)."""
+    if result.error is not None:
+        err = result.error
+        return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path))
+    if killed_by == "watchdog":
+        result.stop_reason = "wall_clock_budget"
+    elif len(result.done) < opts.nproc:
+        return EvalFailure(
+            "runner",
+            f"the run ended without a report from rank(s) "
+            f"{sorted(set(range(opts.nproc)) - set(result.done))} (torchrun exit code {proc.proc.returncode})",
+            _log_tail(log_path),
+        )
+    if not result.steps:
+        return EvalFailure("contract", "no batch was scored: the loop never iterated ctx.iter_train_batches(...)")
+    return None
+
+
+def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokenizer, device: str,
+             result: FeederResult, state_path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The held-out figures, or why there are none."""
+    if opts.heldout_bytes <= 0:
+        return None, "disabled (--heldout-bytes 0)"
+    if "val" not in (data.data.get("splits") or {}):
+        return None, f"the data directory {data.root} has no val split"
+    if state_path is None:
+        return None, "the run produced no scored model state"
+    seq_len = result.shape[1] if result.shape else opts.seq_len
+    config = {
+        "bundle_root": str(bundle.root),
+        "architecture": [bundle.architecture.module, bundle.architecture.symbol],
+        "seed": opts.seed,
+        "threads": opts.threads,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer.name,
+        "sequence_length": opts.seq_len,
+        "max_parameters": opts.max_parameters,
+        "device": device,
+        "data_dir": str(data.root),
+        "split": "val",
+        "max_bytes": opts.heldout_bytes,
+        "batch_size": HELDOUT_BATCH,
+        "seq_len": seq_len,
+        "state_path": str(state_path),
+    }
+    try:
+        return run_heldout(config, timeout_s=opts.heldout_timeout, prefix=_heldout_prefix(sandbox, bundle),
+                           memory_bytes=None if device == "cuda" else opts.memory_limit_bytes), None
+    except (HeldoutError, IsolationError, DataError) as exc:
+        return None, str(exc)
 
 
 def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score, failure, findings,

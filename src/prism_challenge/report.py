@@ -37,8 +37,40 @@ def print_summary(console: Console, outcome) -> None:
         ("device / world size", f"{c['device']} / {c['world_size']}"),
         ("wall time", f"{m['timing']['wall_s']:.1f} s"),
         ("non-finite batches", str(s["nonfinite_batches"])),
+        *_verdict_rows(m.get("verdict")),
+        ("isolation", _isolation(m.get("isolation"))),
         ("run manifest", str(outcome.run_dir / "prism_run_manifest.v2.json")),
     ]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+
+
+def _fmt(x, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _verdict_rows(v) -> list[tuple[str, str]]:
+    if not v:
+        return []
+    ho = v.get("heldout") or {}
+    rows = [
+        ("tail bpb (last 10%)", _fmt(v["tail_bpb"])),
+        ("held-out val bpb (trained / twin)",
+         f"{_fmt(ho.get('val_bpb_trained'))} / {_fmt(ho.get('val_bpb_twin'))}" if ho else f"- ({v.get('heldout_error')})"),
+        ("heldout_delta", _fmt(ho.get("heldout_delta")) if ho else "-"),
+        ("memorization gap", _fmt(v.get("memorization_gap"))),
+        ("anti-cheat x memorization", f"{v['anti_cheat_multiplier']:g} x {v['memorization_penalty']:g}"),
+        ("final_score", _fmt(v["final_score"], ".6f")),
+    ]
+    if v.get("flags"):
+        rows.append(("flags", ", ".join(v["flags"])))
+    return rows
+
+
+def _isolation(iso) -> str:
+    if not iso:
+        return "-"
+    if not iso.get("isolated"):
+        return "NONE (not tamper-resistant)"
+    return f"strict ({iso.get('backend')})"

@@ -188,6 +188,7 @@ class FeederResult:
     first_batch_at: float | None = None
     last_record_at: float | None = None
     state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)
+    shape: tuple[int, int] | None = None  # (batch_size, seq_len) the loop asked for
 
 
 class FeederFailure(RuntimeError):
@@ -368,7 +369,7 @@ class Feeder:
             raise ProtocolError("NEXT needs integer batch_size and seq_len") from None
         with self._lock:
             if self._shape is None:
-                self._shape = (b, t)
+                self._shape = self.result.shape = (b, t)
             elif self._shape != (b, t):
                 raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
         if self.world_size > 1 and self._check_lockstep(st):

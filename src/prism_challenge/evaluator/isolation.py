@@ -575,7 +575,7 @@ def _chown_for(uid: int, gid: int, writable: Iterable[str], tmp_dir: str | None,
         if not _traversable(socket_dir, uid, gid):
             os.chmod(socket_dir, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
         for entry in os.scandir(socket_dir):
-            if entry.is_socket():
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                 os.chown(entry.path, uid, gid)
 
 
@@ -837,21 +837,34 @@ def tasks_of_uid(uid: int) -> tuple[int, int]:
     return procs, tasks
 
 
-def kill_uid(uid: int, rounds: int = 50) -> int:
-    """SIGKILL every process owned by ``uid`` until none is left (root only); returns the count.
+def _state(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
-    Only meaningful for a dedicated sandbox uid (:func:`pick_sandbox_uid`).
+
+def kill_uid(uid: int, rounds: int = 100) -> int:
+    """SIGKILL every process owned by ``uid`` until none is alive (root only); returns the kills.
+
+    Zombies (already dead, waiting for their parent outside the sandbox to reap them) are not
+    waited for. Only meaningful for a dedicated sandbox uid (:func:`pick_sandbox_uid`).
+
+    Raises:
+        ValueError: ``uid`` is 0.
     """
     if uid == 0:
         raise ValueError("kill_uid(0) would kill the host")
     killed = 0
     for _ in range(rounds):
-        pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and _proc_uid(e.name) == uid]
+        pids = [e.name for e in os.scandir("/proc")
+                if e.name.isdigit() and _proc_uid(e.name) == uid and _state(e.name) not in ("Z", "X", "?")]
         if not pids:
             break
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(int(pid), signal.SIGKILL)
                 killed += 1
             except (ProcessLookupError, PermissionError):
                 pass

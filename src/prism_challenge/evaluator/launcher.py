@@ -64,7 +64,12 @@ class Launched:
         return self.proc.poll()
 
     def kill(self) -> None:
-        """Kill the whole process group (torchrun and every rank)."""
+        """Kill torchrun's process group (the sandbox, when there is one, and torchrun's agent).
+
+        torchrun puts each rank in a session of its own; the ranks die with the agent because the
+        runner asks for ``PR_SET_PDEATHSIG`` first thing, and in a strict sandbox the whole pid
+        namespace dies with its init.
+        """
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

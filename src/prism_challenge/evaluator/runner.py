@@ -257,8 +257,26 @@ def _device_name(device: str) -> str:
     return f"cpu ({platform.machine()})"
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies.
+
+    torchrun starts each rank in a session of its own, so killing the launcher's process group
+    does not reach the ranks; without this a rank blocked in a collective would outlive the run.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(137)
+
+
 def main() -> None:
     """Entry point under torchrun: read the rank layout and the socket from the environment."""
+    _die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
