@@ -278,7 +278,8 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path
     """Plan the sandbox (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
     limits = Limits(
         address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
-        max_processes=opts.max_processes,
+        # RLIMIT_NPROC counts every task of the uid: only meaningful for the dedicated sandbox uid
+        max_processes=opts.max_processes if opts.isolation == "strict" and os.geteuid() == 0 else None,
         max_file_bytes=opts.max_file_bytes,
         max_open_files=opts.max_open_files,
     )
@@ -294,7 +295,7 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path
         )
     except IsolationError as exc:
         raise EvalFailure("isolation", str(exc)) from None
-    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=opts.max_processes)
+    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=limits.max_processes)
     return _Sandbox(opts.isolation, prefix, guard, hidden, limits, backend, uid)
 
 
@@ -388,6 +389,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
     try:
         killed_by = _watch(opts, proc, feeder, sandbox.guard, t_launch)
     finally:
+        feeder.stopping.set()  # connections the kill closes are not the runner's failure
         if proc.poll() is None:
             proc.kill()
         if sandbox.guard is not None:

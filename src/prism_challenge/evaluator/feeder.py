@@ -248,6 +248,7 @@ class Feeder:
         self._t0 = time.monotonic()
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
+        self.stopping = threading.Event()  # set by the parent before it kills the tree
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if os.path.exists(socket_path):
             os.unlink(socket_path)
@@ -347,7 +348,7 @@ class Feeder:
                 else:
                     raise ProtocolError(f"unexpected {kind.name} frame from rank {st.rank}")
         except ProtocolError as exc:
-            if st is not None and st.done is None and not self.failed.is_set():
+            if st is not None and st.done is None and not self.failed.is_set() and not self.stopping.is_set():
                 self.fail("runner", f"rank {st.rank}: {exc}", rank=st.rank)
         except OSError:
             pass

@@ -1,0 +1,87 @@
+"""Isolation overhead: the same scored re-execution with ``--isolation strict`` and ``none``.
+
+For each bundle (the ones of ``bench/overhead.py``) it runs ``evaluate`` alternately in both
+modes and prints the medians of
+
+* launch -> last scored batch (``timing.launch_to_last_record_s``): includes the sandbox's setup
+  (namespaces, mounts, the uid drop: tens of milliseconds) and interpreter start;
+* the steady stream (first -> last batch), where the sandbox has no per-batch cost: the feeder
+  socket is a bind-mounted Unix socket, the same system calls as without a sandbox;
+
+and the ratio strict / none of each, plus the bare-loop ratio of ``bench/overhead.py`` when asked
+(``--bare``). The held-out evaluation runs after the stream and is timed apart (``heldout.wall_s``).
+
+Usage: ``python bench/isolation_overhead.py [--repeats 3] [--example-tokens 100000] [--bare]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from prism_challenge.evaluate import EvalOptions, evaluate  # noqa: E402
+from prism_challenge.evaluator.isolation import available_backend  # noqa: E402
+
+
+def run(bundle: str, tokens: int, seq_len: int, threads: int, mode: str) -> dict:
+    """One scored run; seconds and the score."""
+    with tempfile.TemporaryDirectory() as d:
+        o = evaluate(EvalOptions(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads,
+                                 out_dir=str(Path(d) / "run"), device="cpu", isolation=mode))
+    if o.failure:
+        raise SystemExit(f"{mode} run failed: {o.failure}")
+    t = o.manifest["timing"]
+    ho = o.manifest.get("heldout") or {}
+    return {"total": t["launch_to_last_record_s"], "stream": t["launch_to_last_record_s"] - t["launch_to_first_batch_s"],
+            "bpb": o.manifest["score"]["prequential_bpb"], "heldout": ho.get("wall_s")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--example-tokens", type=int, default=100_000)
+    p.add_argument("--trivial-tokens", type=int, default=1_000_000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bare", action="store_true", help="also time the bare loop (bench/overhead.py) per bundle")
+    a = p.parse_args()
+    if "isolation" not in {f.name for f in dataclasses.fields(EvalOptions)}:
+        raise SystemExit("EvalOptions has no 'isolation' field: evaluate() does not wire the sandbox yet")
+    print(f"sandbox backend: {available_backend()}")
+    cases = [
+        ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257),
+        ("trivial (bytes, 8x1024)", str(ROOT / "bench" / "bundles" / "trivial"), a.trivial_tokens, 8, 1024, 257),
+    ]
+    for name, bundle, tokens, batch, seq_len, vocab in cases:
+        res: dict[str, list[dict]] = {"strict": [], "none": []}
+        for _ in range(a.repeats):
+            for mode in ("strict", "none"):
+                res[mode].append(run(bundle, tokens, seq_len, a.threads, mode))
+        med = {m: {k: statistics.median(r[k] for r in rs) for k in ("total", "stream")} for m, rs in res.items()}
+        assert res["strict"][0]["bpb"] == res["none"][0]["bpb"], "isolation changed the score"
+        s, n = med["strict"], med["none"]
+        print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads")
+        print(f"   launch->last batch: strict {s['total']:.3f} s, none {n['total']:.3f} s, ratio {s['total'] / n['total']:.3f}")
+        print(f"   steady stream:      strict {s['stream']:.3f} s, none {n['stream']:.3f} s, ratio {s['stream'] / n['stream']:.3f}")
+        hs = [r["heldout"] for r in res["strict"] if r["heldout"] is not None]
+        if hs:
+            print(f"   held-out evaluation (after the stream, strict): {statistics.median(hs):.3f} s")
+        if a.bare:
+            import overhead
+
+            with tempfile.TemporaryDirectory() as d:
+                npz = Path(d) / "batches.npz"
+                overhead.cut_batches(bundle, tokens, batch, seq_len, npz)
+                bare = statistics.median(overhead.run_bare(bundle, npz, vocab, seq_len, a.threads)["total"]
+                                         for _ in range(a.repeats))
+            print(f"   vs bare loop: strict time ratio {s['total'] / bare:.3f}, none time ratio {n['total'] / bare:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+"""Held-out evaluation: the trained model and its random-init twin on a fixed val prefix.
+
+After the scored run the trusted parent holds the scored model's ``state_dict`` (saved by the
+harness, not the submission). This module then scores, in a separate bounded process:
+
+* the **twin**: ``build_model(ctx)`` under the forced seed, untrained;
+* the **trained** model: built the same way, then ``load_state_dict(torch.load(state,
+  weights_only=True))`` (tensors only: a planted pickle cannot run code);
+
+on the same rows of a deterministic byte-budget prefix of the ``val`` split
+(:func:`prism_challenge.data.stream.heldout_stream`: whole documents while their UTF-8 bytes
+total at most ``max_bytes``, in the train stream's layout ``EOT doc EOT doc ...``), cut into
+overlapping rows by :class:`prism_challenge.evaluator.feeder.RowAssembler` exactly as the feeder
+cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument.score_batch`
+(eval mode, no_grad, logits sliced to ``V``, float64 sums; a non-finite batch is charged
+``2 ln V`` nats per target, :func:`~prism_challenge.evaluator.instrument.charge`). So
+
+    val_bpb = sum(nats) / ln 2 / sum(target bytes)         (the training score's definition)
+    heldout_delta = val_bpb(twin) - val_bpb(trained)       (> 0: the training helped)
+
+**Process boundary.** The process that scores imports the submission's architecture, so it is
+untrusted from the moment of that import. :func:`run_heldout` therefore keeps everything that
+decides the figures on the trusted side: it cuts the rows itself, sends the child only token
+ids (never text, never a data path) and the state bytes over stdin, and computes targets, bytes
+and bpb from its own counts, taking only nats per model from the child. The child applies its
+rlimits (address space, file size, open files; soft = hard) before the submission is imported,
+redirects file descriptor 1 to stderr so submitted prints cannot forge the result line, and
+dies with its parent. Run it inside :func:`prism_challenge.evaluator.isolation.sandbox_prefix`
+(``writable=[]``, the data directory, caches and salts ``hidden``): it then needs no file but
+the interpreter and the bundle. What it cannot prevent, like the training runner: code running
+in the child's address space (the submitted ``forward``) can tamper with the in-process
+computation; the static gates (no monkeypatching, no introspection) are the defence there.
+
+``python -m prism_challenge.heldout CONFIG.json`` runs it standalone (trusted use: it reads the
+val split from ``data_dir`` and ``state_path`` itself) and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LN2 = math.log(2.0)
+DEFAULT_MAX_BYTES = 200_000
+TRAINED_STATE_NAME = "prism_trained_state.pt"
+STDERR_TAIL_LINES = 15
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "TRAINED_STATE_NAME",
+    "HeldoutError",
+    "heldout_cuts",
+    "run_heldout",
+    "score_rows",
+    "evaluate_config",
+]
+
+
+class HeldoutError(RuntimeError):
+    """The held-out evaluation could not produce figures; the message says why (stage: reason)."""
+
+
+def heldout_cuts(
+    data_dir: str | os.PathLike[str],
+    tokenizer: str,
+    *,
+    split: str = "val",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    batch_size: int,
+    seq_len: int,
+) -> list[Any]:
+    """The held-out rows, batch by batch: a list of ``feeder.Cut`` (tokens ``[R, T]``, target bytes ``[R]``).
+
+    Rows of ``seq_len`` tokens overlap by one token (every token after the first is a target
+    once); ``batch_size`` rows per batch, fewer in the last; the stream's last row may be
+    shorter. Deterministic: the same data directory, tokenizer, split and budget give the same
+    rows.
+
+    Raises:
+        HeldoutError: the data directory, split or a shard is bad, or the arguments are.
+    """
+    from prism_challenge.data.manifest import DataError, load_manifest
+    from prism_challenge.data.stream import heldout_stream
+    from prism_challenge.evaluator.feeder import RowAssembler
+    from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
+
+    if batch_size < 1 or seq_len < 2:
+        raise HeldoutError(f"config: batch_size {batch_size} must be >= 1 and seq_len {seq_len} >= 2")
+    try:
+        tok = reference_tokenizer(tokenizer)
+        manifest = load_manifest(data_dir)
+        asm = RowAssembler(heldout_stream(manifest, tok, split=split, max_bytes=max_bytes))
+        cuts = []
+        while (cut := asm.cut(batch_size, seq_len)) is not None:
+            cuts.append(cut)
+    except (DataError, TokenizerError) as exc:
+        raise HeldoutError(f"data: {exc}") from None
+    return cuts
+
+
+def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, device: str) -> dict[str, Any]:
+    """Score ``model`` on token batches: ``{"nats", "targets", "nonfinite_batches"}``.
+
+    ``nats`` is the float64 sum (``math.fsum``) over batches of
+    :func:`~prism_challenge.evaluator.instrument.score_batch`, each non-finite batch replaced by
+    ``2 ln V`` nats per target.
+
+    Raises:
+        prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape.
+    """
+    import torch
+
+    from prism_challenge.evaluator.instrument import charge, score_batch
+
+    parts, targets, nonfinite = [], 0, 0
+    for arr in batches:
+        tokens = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        if device != "cpu":
+            tokens = tokens.to(device)
+        n_targets = int(arr.shape[0] * (arr.shape[1] - 1))
+        nats, finite = charge(score_batch(model, tokens, vocab_size), n_targets, vocab_size)
+        parts.append(nats)
+        targets += n_targets
+        nonfinite += not finite
+    return {"nats": math.fsum(parts), "targets": targets, "nonfinite_batches": nonfinite}
+
+
+class _BuildOnly:
+    """The held-out process's runtime behind ``PrismContext``: build_model only."""
+
+    def __init__(self, fn: Any, seed: int):
+        self.fn, self.seed = fn, seed
+
+    def build_model(self, ctx: Any) -> Any:
+        from prism_challenge.evaluator.seeding import force_seeds
+
+        force_seeds(self.seed)
+        return self.fn(ctx)
+
+    def iter_train_batches(self, *args: Any, **kwargs: Any) -> Any:
+        from prism_challenge.evaluator.instrument import ContractError
+
+        raise ContractError("there is no train stream in the held-out evaluation")
+
+
+def _apply_limits(limits: dict[str, Any] | None) -> None:
+    import resource
+
+    if not limits:
+        return
+    for key, res in (
+        ("address_space_bytes", resource.RLIMIT_AS),
+        ("max_file_bytes", resource.RLIMIT_FSIZE),
+        ("max_open_files", resource.RLIMIT_NOFILE),
+        ("max_processes", resource.RLIMIT_NPROC),
+    ):
+        value = limits.get(key)
+        if value is not None:
+            resource.setrlimit(res, (int(value), int(value)))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state: Any) -> dict[str, Any]:
+    """Build, load and score twin and trained model in this process (imports the bundle).
+
+    Args:
+        config: ``bundle_root``, ``architecture`` ``[module, symbol]``, ``seed``, ``threads``,
+            ``vocab_size``, ``tokenizer``, ``sequence_length``, ``max_parameters``, ``device``.
+        batches: token batches ``[R, T]`` int64.
+        state: a path or a binary file object holding the trained ``state_dict``.
+
+    Returns:
+        ``{"twin": {...}, "trained": {...}, "targets", "batches", "parameter_count"}`` where each
+        model entry is :func:`score_rows`'s result.
+
+    Raises:
+        HeldoutError: ``"<stage>: <reason>"`` for import, build, load and score failures.
+    """
+    import importlib
+
+    import torch
+    from torch import nn
+
+    from prism_challenge.evaluator.instrument import ContractError
+    from prism_challenge.evaluator.interface import PrismContext
+    from prism_challenge.gates.param_count import count_unique_elements
+    from prism_challenge.evaluator.seeding import force_determinism
+
+    device = str(config.get("device", "cpu"))
+    if device == "cuda":
+        device = "cuda:0"
+    seed = int(config["seed"])
+    force_determinism(seed, int(config.get("threads", 1)))
+    vocab = int(config["vocab_size"])
+    stage = "import"
+    try:
+        sys.path.insert(0, str(config["bundle_root"]))
+        module, symbol = config["architecture"]
+        arch = importlib.import_module(module)
+        fn = getattr(arch, symbol, None)
+        if not callable(fn):
+            raise HeldoutError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
+        runtime = _BuildOnly(fn, seed)
+        ctx = PrismContext(
+            seed=seed,
+            vocab_size=vocab,
+            sequence_length=int(config["sequence_length"]),
+            max_parameters=int(config["max_parameters"]),
+            device=device,
+            tokenizer_name=str(config["tokenizer"]),
+            _runtime=runtime,
+        )
+        cap = int(config["max_parameters"])
+        models = {}
+        for name in ("twin", "trained"):
+            stage = "build"
+            model = runtime.build_model(ctx)
+            if not isinstance(model, nn.Module):
+                raise HeldoutError(f"build: build_model(ctx) returned {type(model).__name__}, not a torch.nn.Module")
+            count = count_unique_elements(model)[0]  # the runner's count (parameters + buffers)
+            if count > cap:
+                raise HeldoutError(f"build: the model has {count} parameters, over the cap of {cap}")
+            if name == "trained":
+                stage = "load"
+                if hasattr(state, "seek"):
+                    state.seek(0)
+                sd = torch.load(state, map_location="cpu", weights_only=True)
+                if not isinstance(sd, dict):
+                    raise HeldoutError(f"load: the trained state is a {type(sd).__name__}, not a state_dict")
+                model.load_state_dict(sd, strict=True)
+            models[name] = (model.to(device), count)
+        out: dict[str, Any] = {"batches": len(batches), "parameter_count": models["trained"][1]}
+        stage = "score"
+        for name, (model, _) in models.items():
+            out[name] = score_rows(model, batches, vocab, device)
+        out["targets"] = out["trained"]["targets"]
+        return out
+    except HeldoutError:
+        raise
+    except ContractError as exc:
+        raise HeldoutError(f"contract: {exc}") from None
+    except MemoryError:
+        raise HeldoutError(f"{stage}: out of memory (MemoryError)") from None
+    except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
+        raise HeldoutError(f"{stage}: {type(exc).__name__}: {exc}") from None
+
+
+def _bpb(nats: float, nbytes: int) -> float:
+    return nats / LN2 / nbytes
+
+
+def _figures(result: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    twin = _bpb(result["twin"]["nats"], nbytes)
+    trained = _bpb(result["trained"]["nats"], nbytes)
+    return {
+        "val_bpb_twin": twin,
+        "val_bpb_trained": trained,
+        "heldout_delta": twin - trained,
+        "targets": result["targets"],
+        "bytes": nbytes,
+        "nats_twin": result["twin"]["nats"],
+        "nats_trained": result["trained"]["nats"],
+        "nonfinite_batches_twin": result["twin"]["nonfinite_batches"],
+        "nonfinite_batches_trained": result["trained"]["nonfinite_batches"],
+        "batches": result["batches"],
+    }
+
+
+# -------------------------------------------------------------------------------------------
+# The child process
+# -------------------------------------------------------------------------------------------
+def _read_exact(f: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            raise HeldoutError("protocol: stdin ended early")
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_frame(f: Any) -> bytes:
+    (n,) = struct.unpack(">Q", _read_exact(f, 8))
+    return _read_exact(f, n)
+
+
+def _frame(data: bytes) -> bytes:
+    return struct.pack(">Q", len(data)) + data
+
+
+def _pack_batches(batches: Sequence[np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **{f"b{i:06d}": np.ascontiguousarray(b, dtype=np.int64) for i, b in enumerate(batches)})
+    return buf.getvalue()
+
+
+def _unpack_batches(data: bytes) -> list[np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return [z[k] for k in sorted(z.files)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m prism_challenge.heldout CONFIG.json`` or ``... --stdin`` (used by :func:`run_heldout`).
+
+    Prints one JSON line on stdout: ``{"ok": true, ...figures}`` or ``{"ok": false, "error": ...}``;
+    exit status 0 or 1. With ``--stdin`` the config, the token batches and the state bytes come
+    as three length-prefixed frames on stdin and the line carries nats and targets only (the
+    parent computes bytes and bpb).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout lands in stderr
+
+    def emit(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    try:
+        if argv == ["--stdin"]:
+            stdin = sys.stdin.buffer
+            config = json.loads(_read_frame(stdin))
+            batches = _unpack_batches(_read_frame(stdin))
+            state: Any = io.BytesIO(_read_frame(stdin))
+            nbytes = None
+        elif len(argv) == 1:
+            config = json.loads(Path(argv[0]).read_text())
+            cuts = heldout_cuts(config["data_dir"], config["tokenizer"], split=config.get("split", "val"),
+                                max_bytes=int(config.get("max_bytes", DEFAULT_MAX_BYTES)),
+                                batch_size=int(config["batch_size"]), seq_len=int(config["seq_len"]))
+            batches = [c.tokens for c in cuts]
+            nbytes = int(sum(int(c.target_bytes.sum()) for c in cuts))
+            state = config["state_path"]
+        else:
+            sys.stderr.write("usage: python -m prism_challenge.heldout CONFIG.json | --stdin\n")
+            return 2
+        parent = config.get("parent_pid")
+        if parent:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != int(parent):
+                return 1
+        _apply_limits(config.get("limits"))
+        result = evaluate_config(config, batches, state)
+        if nbytes is None:
+            emit({"ok": True, **result})
+        else:
+            if nbytes <= 0:
+                raise HeldoutError("data: the held-out prefix covers no bytes")
+            emit({"ok": True, **_figures(result, nbytes), "split": config.get("split", "val")})
+        return 0
+    except HeldoutError as exc:
+        emit({"ok": False, "error": str(exc)})
+    except MemoryError:
+        emit({"ok": False, "error": "memory: out of memory (MemoryError)"})
+    except Exception as exc:  # noqa: BLE001
+        emit({"ok": False, "error": f"heldout: {type(exc).__name__}: {exc}"})
+    return 1
+
+
+# -------------------------------------------------------------------------------------------
+# The parent side
+# -------------------------------------------------------------------------------------------
+def run_heldout(
+    config: dict[str, Any],
+    *,
+    timeout_s: float,
+    memory_bytes: int | None,
+    prefix: Sequence[str] = (),
+    max_file_bytes: int | None = 64 << 20,
+    max_open_files: int | None = 1024,
+    max_processes: int | None = 256,
+) -> dict[str, Any]:
+    """Run the held-out evaluation in a bounded child process and return its figures.
+
+    The trusted side cuts the rows (:func:`heldout_cuts` from ``config["data_dir"]``, ``split``
+    (default ``val``), ``max_bytes`` (default 200 000), ``batch_size``, ``seq_len``), reads
+    ``config["state_path"]``, and sends token ids, config and state bytes over stdin to
+    ``[*prefix, python, -m, prism_challenge.heldout, --stdin]``; the child needs no data path.
+
+    Args:
+        config: see :func:`evaluate_config`, plus ``data_dir``, ``split``, ``max_bytes``,
+            ``batch_size``, ``seq_len``, ``state_path``.
+        timeout_s: wall-clock limit; past it the child's process group is killed.
+        memory_bytes: the child's ``RLIMIT_AS`` (``None``: unlimited, needed on CUDA).
+        prefix: a sandbox argv prefix (:func:`~prism_challenge.evaluator.isolation.sandbox_prefix`
+            with ``writable=[]``), or empty.
+        max_file_bytes, max_open_files: the child's ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE``.
+        max_processes: the child's ``RLIMIT_NPROC`` (tasks of its uid; only effective for a
+            non-root uid, i.e. inside a strict sandbox when PRISM runs as root).
+
+    Returns:
+        ``{"val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "nats_twin",
+        "nats_trained", "nonfinite_batches_twin", "nonfinite_batches_trained", "batches",
+        "split", "max_bytes", "parameter_count", "wall_s"}``; bpb in bits per byte, nats in nats.
+
+    Raises:
+        HeldoutError: ``"<stage>: <reason>"``: data, state file, timeout, memory, a crash (with
+            the tail of the child's stderr), or a malformed reply.
+    """
+    t0 = time.monotonic()
+    split = str(config.get("split", "val"))
+    max_bytes = int(config.get("max_bytes", DEFAULT_MAX_BYTES))
+    cuts = heldout_cuts(config["data_dir"], str(config["tokenizer"]), split=split, max_bytes=max_bytes,
+                        batch_size=int(config["batch_size"]), seq_len=int(config["seq_len"]))
+    nbytes = int(sum(int(c.target_bytes.sum()) for c in cuts))
+    targets = int(sum(c.tokens.shape[0] * (c.tokens.shape[1] - 1) for c in cuts))
+    if nbytes <= 0:
+        raise HeldoutError(f"data: the {split} prefix of {max_bytes} bytes covers no bytes")
+    try:
+        state = Path(config["state_path"]).read_bytes()
+    except OSError as exc:
+        raise HeldoutError(f"state: cannot read the trained state {config['state_path']}: {exc.strerror}") from None
+    child_config = {k: config[k] for k in ("bundle_root", "architecture", "seed", "vocab_size", "tokenizer",
+                                           "sequence_length", "max_parameters")}
+    child_config.update({
+        "threads": int(config.get("threads", 1)),
+        "device": str(config.get("device", "cpu")),
+        "parent_pid": None if prefix else os.getpid(),  # in a sandbox the parent is its init
+        "limits": {"address_space_bytes": memory_bytes, "max_file_bytes": max_file_bytes,
+                   "max_open_files": max_open_files, "max_processes": max_processes if prefix else None},
+    })
+    payload = (_frame(json.dumps(child_config).encode()) + _frame(_pack_batches([c.tokens for c in cuts]))
+               + _frame(state))
+    cmd = list(prefix) + [sys.executable, "-m", "prism_challenge.heldout", "--stdin"]
+    env = dict(os.environ)
+    threads = str(int(config.get("threads", 1)))
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONHASHSEED": "0",
+                "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(payload, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s") from None
+    except BaseException:
+        _kill(proc)
+        raise
+    tail = "\n".join(stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    lines = stdout.decode(errors="replace").strip().splitlines()
+    reply: dict[str, Any] | None = None
+    if lines:
+        try:
+            reply = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            reply = None
+    if not isinstance(reply, dict):
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+        raise HeldoutError(f"crash: the held-out process ended with {how} and no result\n{tail}".rstrip())
+    if not reply.get("ok"):
+        raise HeldoutError(str(reply.get("error") or "heldout: failed without a reason"))
+    try:
+        result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
+                  "targets": int(reply["targets"]), "batches": int(reply["batches"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HeldoutError(f"protocol: malformed reply from the held-out process ({exc})") from None
+    if result["targets"] != targets or result["batches"] != len(cuts):
+        raise HeldoutError(f"protocol: the held-out process scored {result['targets']} targets in "
+                           f"{result['batches']} batches; {targets} in {len(cuts)} were sent")
+    figures = _figures(result, nbytes)
+    figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
+                    "wall_s": time.monotonic() - t0})
+    return figures
+
+
+def _model_reply(d: Any) -> dict[str, Any]:
+    nats = d["nats"]
+    if not isinstance(nats, (int, float)) or isinstance(nats, bool) or not math.isfinite(nats) or nats < 0:
+        raise ValueError(f"nats {nats!r} must be a finite non-negative number")
+    return {"nats": float(nats), "targets": int(d["targets"]), "nonfinite_batches": int(d["nonfinite_batches"])}
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""The verdict of a scored run: tail bpb, memorization gap, anomaly, final score, ranking.
+
+Pure functions over what the trusted side measured (the per-step loss records and, when it ran,
+the held-out evaluation). Units: nats for losses, bits per UTF-8 byte (bpb) for rates;
+``bits = nats / ln 2``.
+
+* **Tail bpb** (:func:`tail_bpb`): the prequential bpb over the last ``fraction`` (10%) of the
+  scored bytes. Each batch is scored before the loop trains on it, so the tail is an
+  out-of-sample estimate of the model near the end of training.
+* **Memorization gap** (:func:`memorization`): ``gap = val_bpb(trained) - tail_bpb``. On a
+  random partition of one corpus the held-out split and the train stream come from the same
+  distribution, so an honest model's val bpb is close to (or below: it trained on the tail)
+  its tail bpb. A model whose loss on the stream is far better than on held-out text of the same
+  kind knew the stream rather than learned the language (smuggled train text, lookahead).
+* **Anomaly** (:func:`anomaly`): under the forced random init an honest model predicts close
+  to uniform on the first batch, ``~ ln V`` nats per target. A first-batch loss below half of
+  that is knowledge the model brought with it (constants baked into the source): zeroed.
+* **Final score** (:func:`final_score`): ``a * m / (1 + prequential_bpb)``.
+* **Ranking** (:func:`rank`): prequential bpb first; held-out delta only between entries within
+  ``epsilon`` bpb of a group's best; then submission time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+LN2 = math.log(2.0)
+
+DEFAULT_TAIL_FRACTION = 0.1
+DEFAULT_GAP_THRESHOLD_BPB = 0.5
+DEFAULT_GAP_PENALTY = 0.5
+DEFAULT_ANOMALY_RATIO = 0.5
+DEFAULT_RANK_EPSILON_BPB = 0.01
+
+
+class VerdictError(ValueError):
+    """Inputs a verdict cannot be computed from (no bytes, non-finite bpb, bad parameters)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The configurable knobs of the verdict (defaults and their reasons in the module doc).
+
+    Attributes:
+        tail_fraction: share of the scored bytes that forms the tail (0 < f <= 1); 0.1.
+        gap_threshold_bpb: a memorization gap above this (bpb) is flagged; 0.5 bpb. An honest
+            model's gap is near 0 (same distribution; noise of a 200 kB val prefix and of a
+            10 % tail is a few hundredths of a bpb on trained models), while a model that knew
+            the stream has a tail bpb far below its val bpb (bytes-level English is about 2 to
+            5 bpb before learning, so memorizing the stream opens a gap of whole bits).
+        gap_penalty: the multiplier applied when the gap is flagged; 0.5 (halves the score,
+            keeps the run ranked: a high gap is strong but not conclusive evidence).
+        anomaly_ratio: first-batch nats per target below ``ratio * ln V`` is zeroed; 0.5.
+        rank_epsilon_bpb: bpb within which the held-out delta decides the order; 0.01.
+    """
+
+    tail_fraction: float = DEFAULT_TAIL_FRACTION
+    gap_threshold_bpb: float = DEFAULT_GAP_THRESHOLD_BPB
+    gap_penalty: float = DEFAULT_GAP_PENALTY
+    anomaly_ratio: float = DEFAULT_ANOMALY_RATIO
+    rank_epsilon_bpb: float = DEFAULT_RANK_EPSILON_BPB
+
+
+def _steps(curve_or_steps: Any) -> list[tuple[float, int]]:
+    """(nats, bytes) per step from StepRecords, ``(nats, bytes)`` pairs, dicts or a manifest curve."""
+    if isinstance(curve_or_steps, Mapping):  # the run manifest's "curve"
+        per = curve_or_steps["nats_per_target"]
+        cum_t = curve_or_steps["cumulative_targets"]
+        cum_b = curve_or_steps["cumulative_bytes"]
+        out, pt, pb = [], 0, 0
+        for npt, t, b in zip(per, cum_t, cum_b):
+            out.append((float(npt) * (t - pt), int(b - pb)))
+            pt, pb = t, b
+        return out
+    out = []
+    for s in curve_or_steps:
+        if isinstance(s, Mapping):
+            out.append((float(s["nats"]), int(s["bytes"])))
+        elif isinstance(s, (tuple, list)):
+            out.append((float(s[0]), int(s[1])))
+        else:
+            out.append((float(s.nats), int(s.bytes)))
+    return out
+
+
+def tail_bpb(curve_or_steps: Any, fraction: float = DEFAULT_TAIL_FRACTION) -> float:
+    """Prequential bits per byte over the last ``fraction`` of the scored bytes.
+
+    Step ``i`` covers the byte interval ``(C_{i-1}, C_i]`` of the stream (``C`` the cumulative
+    bytes, ``B = C_last``); the tail is ``(B - f*B, B]``. A step inside the tail counts whole;
+    the step straddling the boundary counts **pro rata**: the share of its bytes that falls in the
+    tail times its nats (its code length is taken as spread evenly over its bytes). A step of zero
+    bytes (only end-of-text targets) counts whole when its position ``C_i`` is inside the tail
+    (``C_i > B - f*B``). So
+
+        tail_bpb = (sum_i w_i * nats_i) / ln 2 / (f * B),   w_i = |(C_{i-1}, C_i] & tail| / bytes_i
+
+    Args:
+        curve_or_steps: the steps in stream order: ``StepRecord``s, ``(nats, bytes)`` pairs,
+            dicts with ``nats`` and ``bytes``, or the run manifest's ``curve`` (nats per target,
+            cumulative targets, cumulative bytes).
+        fraction: ``f``, in ``(0, 1]``.
+
+    Raises:
+        VerdictError: ``fraction`` out of range, no bytes scored, or a non-finite total.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise VerdictError(f"tail fraction {fraction} must be in (0, 1]")
+    steps = _steps(curve_or_steps)
+    total = sum(b for _, b in steps)
+    if total <= 0:
+        raise VerdictError("no bytes were scored: the tail bpb is undefined")
+    start = total - fraction * total
+    nats = []
+    end = 0
+    for n, b in steps:
+        lo, end = end, end + b
+        if b == 0:
+            if end > start:
+                nats.append(n)
+            continue
+        overlap = min(end, total) - max(lo, start)
+        if overlap > 0:
+            nats.append(n * (overlap / b))
+    value = math.fsum(nats) / LN2 / (fraction * total)
+    if not math.isfinite(value):
+        raise VerdictError(f"the tail bpb is not finite ({value})")
+    return value
+
+
+def memorization(
+    val_bpb_trained: float,
+    tail: float,
+    threshold: float = DEFAULT_GAP_THRESHOLD_BPB,
+    penalty: float = DEFAULT_GAP_PENALTY,
+) -> tuple[float, float, bool]:
+    """The memorization gap and its multiplier: ``(gap, multiplier, flagged)``.
+
+    ``gap = val_bpb_trained - tail`` (bpb); ``flagged = gap > threshold``; ``multiplier`` is
+    ``penalty`` when flagged, else 1.0. A non-finite ``val_bpb_trained`` (the trained model's
+    held-out loss blew up) is flagged with an infinite gap.
+
+    Raises:
+        VerdictError: ``tail`` not finite, a negative threshold, or ``penalty`` outside [0, 1].
+    """
+    if not math.isfinite(tail):
+        raise VerdictError(f"tail bpb {tail} is not finite")
+    if threshold < 0 or not 0.0 <= penalty <= 1.0:
+        raise VerdictError(f"threshold {threshold} must be >= 0 and penalty {penalty} in [0, 1]")
+    gap = val_bpb_trained - tail if math.isfinite(val_bpb_trained) else math.inf
+    flagged = gap > threshold
+    return gap, (penalty if flagged else 1.0), flagged
+
+
+def anomaly(
+    first_batch_nats_per_target: float, vocab_size: int, ratio: float = DEFAULT_ANOMALY_RATIO
+) -> tuple[float, bool]:
+    """The anti-cheat multiplier from the first batch's loss: ``(multiplier, flagged)``.
+
+    Flagged (multiplier 0.0) when ``first_batch_nats_per_target < ratio * ln(V)``; else 1.0.
+    A non-finite loss is not an anomaly (the instrument charges it ``2 ln V`` per target).
+
+    Raises:
+        VerdictError: ``vocab_size < 2`` or ``ratio`` outside (0, 1].
+    """
+    if vocab_size < 2:
+        raise VerdictError(f"vocab_size {vocab_size} must be at least 2")
+    if not 0.0 < ratio <= 1.0:
+        raise VerdictError(f"anomaly ratio {ratio} must be in (0, 1]")
+    flagged = math.isfinite(first_batch_nats_per_target) and first_batch_nats_per_target < ratio * math.log(vocab_size)
+    return (0.0 if flagged else 1.0), flagged
+
+
+def final_score(prequential_bpb: float, anti_cheat_multiplier: float, memorization_penalty: float) -> float:
+    """``anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)`` (issue 5, item 7).
+
+    In ``(0, 1]`` for an unpenalized run (1 would be a perfect, zero-bit code).
+
+    Raises:
+        VerdictError: ``prequential_bpb`` negative or not finite, or a multiplier outside [0, 1].
+    """
+    if not math.isfinite(prequential_bpb) or prequential_bpb < 0:
+        raise VerdictError(f"prequential bpb {prequential_bpb} must be finite and >= 0")
+    for name, m in (("anti-cheat multiplier", anti_cheat_multiplier), ("memorization penalty", memorization_penalty)):
+        if not 0.0 <= m <= 1.0:
+            raise VerdictError(f"{name} {m} must be in [0, 1]")
+    return anti_cheat_multiplier * memorization_penalty / (1.0 + prequential_bpb)
+
+
+def _get(e: Any, key: str) -> Any:
+    return e.get(key) if isinstance(e, Mapping) else getattr(e, key, None)
+
+
+def _delta_key(d: Any) -> float:
+    """Held-out delta for sorting, descending; a missing or NaN delta sorts last."""
+    if d is None or not isinstance(d, (int, float)) or math.isnan(d):
+        return math.inf
+    return -float(d)
+
+
+def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> list[Any]:
+    """Order runs for a leaderboard: a deterministic total order.
+
+    Each entry (a mapping or an object) has ``prequential_bpb``, ``heldout_delta`` (may be
+    ``None``) and ``submitted_at`` (any comparable value: a timestamp or an ISO-8601 UTC string);
+    an optional ``id`` breaks exact ties.
+
+    1. Sort by ``(prequential_bpb, submitted_at, id)``.
+    2. Greedy groups: the first entry not yet grouped leads a group, which takes every later
+       entry with ``bpb <= leader_bpb + epsilon``; the next group starts at the first entry past
+       that. "Within epsilon" is measured from the group's best bpb, never chained: with
+       ``A = 1.000``, ``B = 1.008``, ``C = 1.016`` and ``epsilon = 0.01``, A and B tie, B and C
+       would, but the groups are ``{A, B}`` and ``{C}`` (C never passes A on delta).
+    3. Groups in order; inside a group: ``heldout_delta`` descending (missing or NaN last), then
+       ``prequential_bpb``, ``submitted_at``, ``id`` ascending.
+
+    The result depends on the set of entries only, not on their input order (when ``id`` or
+    the other keys tell every pair apart).
+
+    Raises:
+        VerdictError: ``epsilon`` negative, or an entry without a finite ``prequential_bpb``.
+    """
+    if not epsilon >= 0:
+        raise VerdictError(f"rank epsilon {epsilon} must be >= 0")
+    items = list(entries)
+    for e in items:
+        b = _get(e, "prequential_bpb")
+        if not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise VerdictError(f"entry {e!r}: prequential_bpb {b!r} must be a finite number")
+
+    def base_key(e: Any) -> tuple:
+        ident = _get(e, "id")
+        return (float(_get(e, "prequential_bpb")), _get(e, "submitted_at"), "" if ident is None else str(ident))
+
+    ordered = sorted(items, key=base_key)
+    out: list[Any] = []
+    i = 0
+    while i < len(ordered):
+        leader = float(_get(ordered[i], "prequential_bpb"))
+        j = i
+        while j < len(ordered) and float(_get(ordered[j], "prequential_bpb")) <= leader + epsilon:
+            j += 1
+        group = ordered[i:j]
+        group.sort(key=lambda e: (_delta_key(_get(e, "heldout_delta")),) + base_key(e))
+        out.extend(group)
+        i = j
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Everything the verdict adds to the run manifest (``manifest["verdict"]``).
+
+    Attributes:
+        prequential_bpb: the run's score rate (bpb).
+        tail_bpb: prequential bpb over the last ``tail_fraction`` of scored bytes.
+        tail_fraction: the tail's share of the bytes.
+        first_batch_nats_per_target: the step-0 loss per target (nats).
+        anomaly_threshold_nats: ``anomaly_ratio * ln V``.
+        anomaly_flagged: the first batch was below that threshold.
+        anti_cheat_multiplier: 0.0 when flagged, else 1.0.
+        heldout: the held-out figures (``val_bpb_twin``, ``val_bpb_trained``, ``heldout_delta``,
+            ``targets``, ``bytes``), or ``None`` when it did not run.
+        heldout_error: why the held-out evaluation did not run or failed, else ``None``.
+        memorization_gap: ``val_bpb_trained - tail_bpb`` (``None`` without held-out figures).
+        memorization_threshold: the policy's threshold (bpb).
+        memorization_flagged: the gap is above the threshold.
+        memorization_penalty: the policy's penalty when flagged, else 1.0 (1.0 without held-out).
+        final_score: ``anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``.
+        flags: short names of everything flagged (``"anomaly"``, ``"memorization"``,
+            ``"heldout_unavailable"``).
+    """
+
+    prequential_bpb: float
+    tail_bpb: float
+    tail_fraction: float
+    first_batch_nats_per_target: float
+    anomaly_threshold_nats: float
+    anomaly_flagged: bool
+    anti_cheat_multiplier: float
+    heldout: dict[str, Any] | None
+    heldout_error: str | None
+    memorization_gap: float | None
+    memorization_threshold: float
+    memorization_flagged: bool
+    memorization_penalty: float
+    final_score: float
+    flags: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (non-finite floats become ``None``)."""
+
+        def clean(v: Any) -> Any:
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+
+        return clean(asdict(self))
+
+
+def build_verdict(
+    prequential_bpb: float,
+    steps: Any,
+    vocab_size: int,
+    heldout: Mapping[str, Any] | None,
+    *,
+    heldout_error: str | None = None,
+    policy: Policy = Policy(),
+) -> Verdict:
+    """Assemble the verdict of a scored run (for the manifest and the console summary).
+
+    Args:
+        prequential_bpb: from :func:`prism_challenge.scoring.prequential_score`.
+        steps: the step records in stream order (see :func:`tail_bpb` for accepted forms);
+            the first one's nats per target is the anomaly signal. A step's targets are needed
+            for that: ``StepRecord``s, dicts with ``targets``, or the manifest curve.
+        vocab_size: ``V``.
+        heldout: the output of :func:`prism_challenge.heldout.run_heldout`, or ``None``.
+        heldout_error: the reason the held-out evaluation is missing (flag
+            ``heldout_unavailable``; the memorization penalty is then 1.0: no evidence).
+
+    Raises:
+        VerdictError: no bytes scored or no steps (the run must fail instead of scoring).
+    """
+    if isinstance(steps, Mapping):
+        per = steps["nats_per_target"]
+        if not per:
+            raise VerdictError("no step was scored")
+        first = float(per[0])
+    else:
+        steps = list(steps)
+        if not steps:
+            raise VerdictError("no step was scored")
+        s0 = steps[0]
+        nats0 = _get(s0, "nats") if not isinstance(s0, (tuple, list)) else s0[0]
+        targets0 = _get(s0, "targets") if not isinstance(s0, (tuple, list)) else (s0[2] if len(s0) > 2 else None)
+        if not targets0:
+            raise VerdictError("the first step records no targets: the anomaly signal is undefined")
+        first = float(nats0) / int(targets0)
+    tail = tail_bpb(steps, policy.tail_fraction)
+    multiplier, a_flag = anomaly(first, vocab_size, policy.anomaly_ratio)
+    flags = ["anomaly"] if a_flag else []
+    gap = None
+    m_flag = False
+    penalty = 1.0
+    ho = dict(heldout) if heldout is not None else None
+    available = ho is not None and ho.get("val_bpb_trained") is not None
+    if available:
+        heldout_error = None
+        gap, penalty, m_flag = memorization(float(ho["val_bpb_trained"]), tail, policy.gap_threshold_bpb,
+                                            policy.gap_penalty)
+        if m_flag:
+            flags.append("memorization")
+    else:
+        flags.append("heldout_unavailable")
+        heldout_error = heldout_error or "the held-out evaluation did not run"
+    return Verdict(
+        prequential_bpb=prequential_bpb,
+        tail_bpb=tail,
+        tail_fraction=policy.tail_fraction,
+        first_batch_nats_per_target=first,
+        anomaly_threshold_nats=policy.anomaly_ratio * math.log(vocab_size),
+        anomaly_flagged=a_flag,
+        anti_cheat_multiplier=multiplier,
+        heldout=ho,
+        heldout_error=heldout_error,
+        memorization_gap=gap,
+        memorization_threshold=policy.gap_threshold_bpb,
+        memorization_flagged=m_flag,
+        memorization_penalty=penalty,
+        final_score=final_score(prequential_bpb, multiplier, penalty),
+        flags=flags,
+    )

@@ -1,0 +1,202 @@
+"""The verdict's pure functions, against values worked out by hand."""
+
+import itertools
+import math
+
+import pytest
+
+from prism_challenge.evaluator.feeder import StepRecord
+from prism_challenge.scoring import curve
+from prism_challenge.verdict import (
+    Policy,
+    VerdictError,
+    anomaly,
+    build_verdict,
+    final_score,
+    memorization,
+    rank,
+    tail_bpb,
+)
+
+LN2 = math.log(2)
+
+
+# -- tail_bpb ---------------------------------------------------------------------------------
+def test_tail_counts_the_straddling_step_pro_rata():
+    steps = [(10.0, 40), (20.0, 40), (30.0, 20)]  # bytes (0,40] (40,80] (80,100]
+    # last 10 bytes = (90, 100]: half of step 3 -> 15 nats over 10 bytes
+    assert tail_bpb(steps, 0.1) == pytest.approx(15 / LN2 / 10, rel=1e-12)
+    # last 30 bytes = (70, 100]: step 3 whole (30) + 10/40 of step 2 (5) -> 35 nats over 30 bytes
+    assert tail_bpb(steps, 0.3) == pytest.approx(35 / LN2 / 30, rel=1e-12)
+    # the tail boundary on a step boundary: exactly step 3
+    assert tail_bpb(steps, 0.2) == pytest.approx(30 / LN2 / 20, rel=1e-12)
+
+
+def test_tail_of_everything_is_the_prequential_bpb():
+    steps = [(10.0, 40), (20.0, 40), (30.0, 20)]
+    assert tail_bpb(steps, 1.0) == pytest.approx(60 / LN2 / 100, rel=1e-12)
+
+
+def test_zero_byte_steps_count_whole_inside_the_tail_only():
+    # (0,40] (40,100] then an end-of-text-only step at 100 (inside (90,100])
+    steps = [(10.0, 40), (20.0, 60), (3.0, 0)]
+    assert tail_bpb(steps, 0.1) == pytest.approx((20 * 10 / 60 + 3) / LN2 / 10, rel=1e-12)
+    # a zero-byte step exactly at the boundary (position 90) is outside (90, 100]
+    steps = [(10.0, 90), (3.0, 0), (20.0, 10)]
+    assert tail_bpb(steps, 0.1) == pytest.approx(20 / LN2 / 10, rel=1e-12)
+
+
+def test_tail_accepts_step_records_dicts_and_the_manifest_curve():
+    recs = [StepRecord(0, 10.0, 40, 40), StepRecord(1, 20.0, 50, 40), StepRecord(2, 30.0, 25, 20)]
+    expected = 15 / LN2 / 10
+    assert tail_bpb(recs) == pytest.approx(expected, rel=1e-12)
+    assert tail_bpb([{"nats": r.nats, "bytes": r.bytes} for r in recs]) == pytest.approx(expected, rel=1e-12)
+    assert tail_bpb(curve(recs)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_tail_refuses_bad_input():
+    with pytest.raises(VerdictError, match="fraction"):
+        tail_bpb([(1.0, 1)], 0.0)
+    with pytest.raises(VerdictError, match="fraction"):
+        tail_bpb([(1.0, 1)], 1.5)
+    with pytest.raises(VerdictError, match="no bytes"):
+        tail_bpb([(1.0, 0)])
+    with pytest.raises(VerdictError, match="not finite"):
+        tail_bpb([(math.inf, 10)])
+
+
+# -- memorization -----------------------------------------------------------------------------
+def test_memorization_gap_and_penalty():
+    assert memorization(3.0, 2.0) == (1.0, 0.5, True)
+    gap, mult, flagged = memorization(2.25, 2.0)
+    assert (gap, mult, flagged) == (0.25, 1.0, False)
+    assert memorization(2.5, 2.0) == (0.5, 1.0, False)  # at the threshold: not above it
+    assert memorization(1.5, 2.0) == (-0.5, 1.0, False)  # better on val than the tail: fine
+    assert memorization(2.25, 2.0, threshold=0.125, penalty=0.25) == (0.25, 0.25, True)
+
+
+def test_memorization_nonfinite_val_is_flagged_and_bad_policy_refused():
+    gap, mult, flagged = memorization(math.nan, 2.0)
+    assert gap == math.inf and mult == 0.5 and flagged
+    with pytest.raises(VerdictError):
+        memorization(2.0, math.inf)
+    with pytest.raises(VerdictError):
+        memorization(2.0, 1.0, penalty=1.5)
+    with pytest.raises(VerdictError):
+        memorization(2.0, 1.0, threshold=-0.1)
+
+
+# -- anomaly ----------------------------------------------------------------------------------
+def test_anomaly_is_half_of_ln_v():
+    half = 0.5 * math.log(257)  # 2.7745...
+    assert anomaly(2.77, 257) == (0.0, True)
+    assert anomaly(2.78, 257) == (1.0, False)
+    assert anomaly(math.log(257), 257) == (1.0, False)
+    assert anomaly(half * 0.999, 257) == (0.0, True)
+    assert anomaly(math.nan, 257) == (1.0, False)
+    # gpt2: half of ln 50257 = 5.412...
+    assert anomaly(5.40, 50257) == (0.0, True)
+    assert anomaly(5.42, 50257) == (1.0, False)
+    assert anomaly(3.0, 257, ratio=0.6) == (0.0, True)  # 0.6 * ln 257 = 3.329
+    with pytest.raises(VerdictError):
+        anomaly(1.0, 1)
+    with pytest.raises(VerdictError):
+        anomaly(1.0, 257, ratio=0.0)
+
+
+# -- final score ------------------------------------------------------------------------------
+def test_final_score_formula():
+    assert final_score(1.0, 1.0, 1.0) == 0.5
+    assert final_score(3.0, 1.0, 0.5) == 0.125
+    assert final_score(0.0, 1.0, 1.0) == 1.0
+    assert final_score(2.0, 0.0, 1.0) == 0.0
+    for bad in ((-0.1, 1, 1), (math.nan, 1, 1), (math.inf, 1, 1), (1.0, 1.5, 1), (1.0, 1, -0.5)):
+        with pytest.raises(VerdictError):
+            final_score(*bad)
+
+
+# -- ranking ----------------------------------------------------------------------------------
+def E(name, bpb, delta, t):
+    return {"id": name, "prequential_bpb": bpb, "heldout_delta": delta, "submitted_at": t}
+
+
+def names(entries):
+    return [e["id"] for e in entries]
+
+
+def test_rank_groups_from_the_best_bpb_not_by_chaining():
+    a, b, c = E("A", 1.000, 0.1, 1), E("B", 1.008, 0.5, 2), E("C", 1.016, 9.0, 3)
+    # A~B and B~C within 0.01 but not A~C: groups {A, B}, {C}; B passes A on delta, C passes nobody
+    assert names(rank([a, b, c], epsilon=0.01)) == ["B", "A", "C"]
+    # with epsilon 0.02 all three are one group: delta decides
+    assert names(rank([a, b, c], epsilon=0.02)) == ["C", "B", "A"]
+    # epsilon 0: pure bpb order
+    assert names(rank([c, b, a], epsilon=0.0)) == ["A", "B", "C"]
+
+
+def test_rank_is_independent_of_input_order():
+    entries = [E("A", 1.000, 0.1, 5), E("B", 1.004, 0.3, 4), E("C", 1.009, 0.2, 3), E("D", 1.011, 0.9, 2),
+               E("E", 1.013, None, 1), E("F", 1.030, 0.0, 0), E("G", 1.000, 0.1, 1)]
+    expected = names(rank(entries, epsilon=0.01))
+    # group 1 (leader G/A at 1.000: <= 1.010): A, B, C, G; group 2 (leader D 1.011: <= 1.021): D, E; group 3: F
+    # group 1 by delta desc: B(.3) C(.2) then A/G (.1) by bpb then time: G (t=1) before A (t=5)
+    assert expected == ["B", "C", "G", "A", "D", "E", "F"]
+    for perm in itertools.permutations(entries):
+        assert names(rank(list(perm), epsilon=0.01)) == expected
+
+
+def test_rank_missing_or_nan_delta_sorts_last_and_time_breaks_ties():
+    entries = [E("late", 2.0, 0.5, 20), E("early", 2.0, 0.5, 10), E("nan", 2.0, math.nan, 0), E("none", 2.0, None, 1)]
+    assert names(rank(entries)) == ["early", "late", "nan", "none"]
+
+
+def test_rank_accepts_objects_and_refuses_bad_bpb():
+    class Run:
+        def __init__(self, bpb, delta, t):
+            self.prequential_bpb, self.heldout_delta, self.submitted_at = bpb, delta, t
+
+    r1, r2 = Run(1.5, 0.0, "2025-01-02T00:00:00Z"), Run(1.2, 0.0, "2025-01-01T00:00:00Z")
+    assert rank([r1, r2]) == [r2, r1]
+    with pytest.raises(VerdictError):
+        rank([E("x", math.nan, 0.0, 0)])
+    with pytest.raises(VerdictError):
+        rank([], epsilon=-1)
+
+
+# -- assembled verdict ------------------------------------------------------------------------
+def test_build_verdict_honest_run():
+    # first step 5.0 nats/target (above 0.5 ln 257); tail (last 10 of 100 bytes) = 1/2 of step 3
+    steps = [StepRecord(0, 200.0, 40, 40), StepRecord(1, 100.0, 40, 40), StepRecord(2, 40.0, 20, 20)]
+    bpb = 340 / LN2 / 100
+    ho = {"val_bpb_twin": 8.0, "val_bpb_trained": 3.0, "heldout_delta": 5.0, "targets": 10, "bytes": 10}
+    v = build_verdict(bpb, steps, 257, ho)
+    tail = 20 / LN2 / 10
+    assert v.tail_bpb == pytest.approx(tail, rel=1e-12)
+    assert v.first_batch_nats_per_target == 5.0
+    assert not v.anomaly_flagged and v.anti_cheat_multiplier == 1.0
+    assert v.memorization_gap == pytest.approx(3.0 - tail, rel=1e-12)  # 3.0 - 2.885 = 0.115
+    assert not v.memorization_flagged and v.memorization_penalty == 1.0
+    assert v.final_score == pytest.approx(1 / (1 + bpb), rel=1e-12)
+    assert v.flags == [] and v.heldout_error is None
+    d = v.to_dict()
+    assert d["final_score"] == v.final_score and d["heldout"]["heldout_delta"] == 5.0
+
+
+def test_build_verdict_zeroes_an_anomaly_and_penalizes_a_gap():
+    steps = [StepRecord(0, 20.0, 10, 10), StepRecord(1, 1.0, 90, 90)]  # 2.0 nats/target at step 0
+    bpb = 21 / LN2 / 100
+    ho = {"val_bpb_twin": 8.0, "val_bpb_trained": 4.0, "heldout_delta": 4.0}
+    v = build_verdict(bpb, steps, 257, ho, policy=Policy(gap_penalty=0.25))
+    assert v.anomaly_flagged and v.anti_cheat_multiplier == 0.0
+    assert v.memorization_flagged and v.memorization_penalty == 0.25
+    assert v.final_score == 0.0 and v.flags == ["anomaly", "memorization"]
+
+
+def test_build_verdict_without_heldout_flags_it_and_applies_no_penalty():
+    steps = [StepRecord(0, 60.0, 10, 10)]
+    v = build_verdict(60 / LN2 / 10, steps, 257, None, heldout_error="timeout: 600 s")
+    assert v.flags == ["heldout_unavailable"] and v.heldout_error == "timeout: 600 s"
+    assert v.memorization_gap is None and v.memorization_penalty == 1.0
+    assert v.final_score == pytest.approx(1 / (1 + 60 / LN2 / 10))
+    with pytest.raises(VerdictError):
+        build_verdict(1.0, [], 257, None)
