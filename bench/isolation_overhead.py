@@ -26,21 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from prism_challenge.evaluate import EvalOptions, evaluate  # noqa: E402
+import overhead  # noqa: E402
+from prism_challenge.evaluate import EvalOptions  # noqa: E402
 from prism_challenge.evaluator.isolation import available_backend  # noqa: E402
-
-
-def run(bundle: str, tokens: int, seq_len: int, threads: int, mode: str) -> dict:
-    """One scored run; seconds and the score."""
-    with tempfile.TemporaryDirectory() as d:
-        o = evaluate(EvalOptions(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads,
-                                 out_dir=str(Path(d) / "run"), device="cpu", isolation=mode))
-    if o.failure:
-        raise SystemExit(f"{mode} run failed: {o.failure}")
-    t = o.manifest["timing"]
-    ho = o.manifest.get("heldout") or {}
-    return {"total": t["launch_to_last_record_s"], "stream": t["launch_to_last_record_s"] - t["launch_to_first_batch_s"],
-            "bpb": o.manifest["score"]["prequential_bpb"], "heldout": ho.get("wall_s")}
 
 
 def main() -> None:
@@ -62,7 +50,7 @@ def main() -> None:
         res: dict[str, list[dict]] = {"strict": [], "none": []}
         for _ in range(a.repeats):
             for mode in ("strict", "none"):
-                res[mode].append(run(bundle, tokens, seq_len, a.threads, mode))
+                res[mode].append(overhead.run_harness(bundle, tokens, seq_len, a.threads, mode, heldout_bytes=200_000))
         med = {m: {k: statistics.median(r[k] for r in rs) for k in ("total", "stream")} for m, rs in res.items()}
         assert res["strict"][0]["bpb"] == res["none"][0]["bpb"], "isolation changed the score"
         s, n = med["strict"], med["none"]
@@ -73,8 +61,6 @@ def main() -> None:
         if hs:
             print(f"   held-out evaluation (after the stream, strict): {statistics.median(hs):.3f} s")
         if a.bare:
-            import overhead
-
             with tempfile.TemporaryDirectory() as d:
                 npz = Path(d) / "batches.npz"
                 overhead.cut_batches(bundle, tokens, batch, seq_len, npz)

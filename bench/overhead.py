@@ -52,15 +52,20 @@ def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -
     np.savez(out, **arrays)
 
 
-def run_harness(bundle: str, tokens: int, seq_len: int, threads: int) -> dict:
+def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation: str = "strict",
+                heldout_bytes: int = 0) -> dict:
+    """One scored run through ``prism eval``'s pipeline; seconds (see the module docstring)."""
     with tempfile.TemporaryDirectory() as d:
         o = evaluate(EvalOptions(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads,
-                                 out_dir=str(Path(d) / "run"), device="cpu"))
+                                 out_dir=str(Path(d) / "run"), device="cpu", isolation=isolation,
+                                 heldout_bytes=heldout_bytes))
     if o.failure:
-        raise SystemExit(f"harness run failed: {o.failure}")
+        raise SystemExit(f"harness run ({isolation}) failed: {o.failure}")
     t = o.manifest["timing"]
+    heldout = ((o.manifest.get("verdict") or {}).get("heldout") or {}).get("wall_s")
     return {"total": t["launch_to_last_record_s"], "stream": t["launch_to_last_record_s"] - t["launch_to_first_batch_s"],
-            "gates": t["gates_s"], "after": t["after_stream_s"], "bpb": o.manifest["score"]["prequential_bpb"]}
+            "gates": t["gates_s"], "after": t["after_stream_s"], "bpb": o.manifest["score"]["prequential_bpb"],
+            "heldout": heldout}
 
 
 def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int) -> dict:
@@ -80,6 +85,7 @@ def main() -> None:
     p.add_argument("--example-tokens", type=int, default=100_000)
     p.add_argument("--trivial-tokens", type=int, default=1_000_000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isolation", choices=["strict", "none"], default="strict")
     a = p.parse_args()
     cases = [
         ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257),
@@ -91,11 +97,11 @@ def main() -> None:
             cut_batches(bundle, tokens, batch, seq_len, npz)
             h, b = [], []
             for _ in range(a.repeats):
-                h.append(run_harness(bundle, tokens, seq_len, a.threads))
+                h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation))
                 b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
         ht, bt, hs, bs = med(h, "total"), med(b, "total"), med(h, "stream"), med(b, "stream")
-        print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads")
+        print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}")
         print(f"   re-execution launch->last batch {ht:8.3f} s | bare launch->last batch {bt:8.3f} s")
         print(f"   time ratio {ht / bt:.3f}   throughput ratio {bt / ht:.3f}")
         print(f"   steady stream: harness {hs:.3f} s, bare {bs:.3f} s -> time ratio {hs / bs:.3f}, throughput ratio {bs / hs:.3f}")

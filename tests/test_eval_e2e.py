@@ -174,3 +174,64 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     m2 = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())
     assert m2["score"]["prequential_bpb"] == s["prequential_bpb"]
     assert m2["curve"] == m["curve"]
+
+
+PEEK_ARCH = """
+import torch
+from torch import nn
+
+
+class Peek(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.emb = nn.Embedding(v, 8)
+        self.head = nn.Linear(8, v)
+        self.gate = nn.Parameter(torch.full((1,), {gate}))
+
+    def forward(self, tokens):
+        nxt = torch.roll(tokens, -1, dims=1)
+        logits = self.head(self.emb(tokens))
+        bonus = (self.gate * 30.0).expand(tokens.shape[0], tokens.shape[1], 1)
+        return logits.scatter_add(-1, nxt.unsqueeze(-1), bonus)
+
+
+def build_model(ctx):
+    return Peek(ctx.vocab_size)
+"""
+
+
+def test_model_that_reads_the_next_token_is_caught_by_the_causality_probe(tmp_path):
+    o = run(tmp_path, write_bundle(tmp_path / "b", PEEK_ARCH.format(gate=1.0), lr=0.1), token_budget=2000)
+    assert o.failure is not None and o.failure.stage == "contract"
+    assert "not causal" in o.failure.message
+
+
+def test_peek_that_starts_honest_is_zeroed_by_the_heldout_probe(tmp_path):
+    # gate 0 at init: the first batches look causal; after training the held-out probe sees the peek
+    bundle = write_bundle(tmp_path / "b", PEEK_ARCH.format(gate=0.0), lr=0.5, batch=2, seq_len=16)
+    o = run(tmp_path, bundle, token_budget=600, step_budget=1, heldout_bytes=60000)
+    v = o.manifest["verdict"]
+    assert o.failure is None and "heldout_contract" in v["flags"], v
+    assert v["final_score"] == 0.0 and "not causal" in v["heldout_error"]
+
+
+ENV_LOOP = """
+import os
+
+
+def train(ctx):
+    model = ctx.build_model()
+    with open(ctx.artifacts_dir + "/env.txt", "w") as f:
+        f.write("\\n".join(sorted(os.environ)))
+    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+        pass
+"""
+
+
+def test_strict_runs_see_no_secrets_of_the_operator_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_secret")
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, ENV_LOOP), token_budget=100)
+    assert o.failure is None, o.failure
+    names = (o.run_dir / "artifacts" / "env.txt").read_text().split()
+    assert "PATH" in names and "HF_TOKEN" not in names and "AWS_SECRET_ACCESS_KEY" not in names

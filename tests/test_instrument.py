@@ -89,3 +89,61 @@ def test_nonfinite_charge():
     nats, finite = charge(float("nan"), 10, 257)
     assert not finite and nats == pytest.approx(2 * math.log(257) * 10)
     assert charge(float("inf"), 3, 50257)[0] / 3 / math.log(2) == pytest.approx(2 * math.log2(50257))
+
+
+class Causal(nn.Module):
+    """Embedding + causal running mean: position t sees tokens 0..t only."""
+
+    def __init__(self, v):
+        super().__init__()
+        self.emb = nn.Embedding(v, 6)
+        self.head = nn.Linear(6, v)
+
+    def forward(self, tokens):
+        x = self.emb(tokens).cumsum(1) / torch.arange(1, tokens.shape[1] + 1).view(1, -1, 1)
+        return self.head(x)
+
+
+class Peek(Causal):
+    """Adds a bonus to the logit of the NEXT token: the cheat the probe must catch."""
+
+    def __init__(self, v, gate):
+        super().__init__(v)
+        self.gate = gate
+
+    def forward(self, tokens):
+        nxt = torch.roll(tokens, -1, dims=1)
+        return super().forward(tokens).scatter_add(-1, nxt.unsqueeze(-1), torch.full((*tokens.shape, 1), self.gate))
+
+
+@pytest.mark.parametrize("k", [1, 5, 11])
+def test_causal_model_passes_every_probe_with_the_same_nats(k):
+    torch.manual_seed(0)
+    model, tokens = Causal(30), torch.randint(0, 30, (3, 12))
+    assert score_batch(model, tokens, 30, probe=(k, 7)) == score_batch(model, tokens, 30)
+
+
+@pytest.mark.parametrize("k", [1, 6, 11])
+def test_model_reading_the_next_token_fails_the_probe(k):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 30, (2, 12))
+    cheat = Peek(30, 5.0)
+    honest_nats = score_batch(Causal(30), tokens, 30)
+    torch.manual_seed(0)
+    assert score_batch(Peek(30, 5.0), tokens, 30) < honest_nats  # the cheat would pay off unprobed
+    with pytest.raises(ContractError, match=f"not causal: its logits at positions < {k} changed"):
+        score_batch(cheat, tokens, 30, probe=(k, 3))
+
+
+def test_probe_does_not_consume_the_rng():
+    class Noisy(Causal):
+        def forward(self, tokens):
+            torch.rand(5)  # draws from the RNG without changing the logits
+            return super().forward(tokens)
+
+    torch.manual_seed(3)
+    score_batch(Noisy(30), torch.randint(0, 30, (2, 8)), 30, probe=(4, 1))
+    after_probe = torch.rand(1)
+    torch.manual_seed(3)
+    score_batch(Noisy(30), torch.randint(0, 30, (2, 8)), 30)
+    assert torch.equal(after_probe, torch.rand(1))

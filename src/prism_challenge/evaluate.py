@@ -9,6 +9,7 @@ manifest. The runner (untrusted) only ever sees one batch at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import resource
@@ -330,18 +331,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
     artifacts.mkdir()
     sock_path, sock_tmp = _socket_path(run_dir)
     config = {
-        "seed": opts.seed,
-        "threads": opts.threads,
-        "vocab_size": tokenizer.vocab_size,
-        "tokenizer": tokenizer.name,
-        "sequence_length": opts.seq_len,
-        "max_parameters": opts.max_parameters,
-        "device": device,
+        **_model_config(opts, bundle, tokenizer, device),
         "artifacts_dir": str(artifacts),
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
-        "bundle_root": str(bundle.root),
-        "architecture": [bundle.architecture.module, bundle.architecture.symbol],
         "training": [bundle.training.module, bundle.training.symbol],
     }
     running: dict[str, float] = {"nats": 0.0, "bytes": 0}
@@ -385,6 +378,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         threads=opts.threads,
         cwd=artifacts,
         wrap=sandbox.prefix,
+        clean_env=sandbox.mode == "strict",
     )
     try:
         killed_by = _watch(opts, proc, feeder, sandbox.guard, t_launch)
@@ -419,6 +413,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         heldout, heldout_error = _heldout(opts, sandbox, bundle, data, tokenizer, device, result, state_path)
         verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                 heldout_error=heldout_error, policy=opts.policy)
+        if heldout_error is not None and heldout_error.startswith("contract:"):
+            # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
+            verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
+                                          flags=[*verdict.flags, "heldout_contract"])
     t_done = time.monotonic()
 
     planted = discard_planted(artifacts)
@@ -485,6 +483,21 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     return None
 
 
+def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> dict[str, Any]:
+    """What both the runner and the held-out child need to build the model the same way."""
+    return {
+        "seed": opts.seed,
+        "threads": opts.threads,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer.name,
+        "sequence_length": opts.seq_len,
+        "max_parameters": opts.max_parameters,
+        "device": device,
+        "bundle_root": str(bundle.root),
+        "architecture": [bundle.architecture.module, bundle.architecture.symbol],
+    }
+
+
 def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokenizer, device: str,
              result: FeederResult, state_path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
     """The held-out figures, or why there are none."""
@@ -496,15 +509,7 @@ def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokeniz
         return None, "the run produced no scored model state"
     seq_len = result.shape[1] if result.shape else opts.seq_len
     config = {
-        "bundle_root": str(bundle.root),
-        "architecture": [bundle.architecture.module, bundle.architecture.symbol],
-        "seed": opts.seed,
-        "threads": opts.threads,
-        "vocab_size": tokenizer.vocab_size,
-        "tokenizer": tokenizer.name,
-        "sequence_length": opts.seq_len,
-        "max_parameters": opts.max_parameters,
-        "device": device,
+        **_model_config(opts, bundle, tokenizer, device),
         "data_dir": str(data.root),
         "split": "val",
         "max_bytes": opts.heldout_bytes,

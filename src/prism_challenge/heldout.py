@@ -118,19 +118,23 @@ def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, devic
     ``2 ln V`` nats per target.
 
     Raises:
-        prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape.
+        prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape, or a
+            prediction that depends on a later token (every batch is probed, see
+            :func:`~prism_challenge.evaluator.instrument.check_causal`).
     """
     import torch
 
     from prism_challenge.evaluator.instrument import charge, score_batch
 
     parts, targets, nonfinite = [], 0, 0
-    for arr in batches:
+    for i, arr in enumerate(batches):
         tokens = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
         if device != "cpu":
             tokens = tokens.to(device)
         n_targets = int(arr.shape[0] * (arr.shape[1] - 1))
-        nats, finite = charge(score_batch(model, tokens, vocab_size), n_targets, vocab_size)
+        # every held-out batch is also probed for causality (the trained model is frozen here)
+        probe = (max(1, arr.shape[1] // 2), 1 + i % (vocab_size - 1))
+        nats, finite = charge(score_batch(model, tokens, vocab_size, probe), n_targets, vocab_size)
         parts.append(nats)
         targets += n_targets
         nonfinite += not finite

@@ -5,14 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
 def print_failure(console: Console, failure, run_dir: Path | None = None) -> None:
     """One clear line naming the stage and reason, then any detail (traceback tail, findings)."""
-    console.print(f"[bold red]prism eval failed[/] at stage [bold]{failure.stage}[/]: {failure.message}", markup=True, highlight=False)
+    # soft_wrap: the reason stays one line, whatever the terminal width (grep-able, copy-able)
+    console.print(f"[bold red]prism eval failed[/] at stage [bold]{failure.stage}[/]: {escape(failure.message)}",
+                  highlight=False, soft_wrap=True)
     if failure.detail:
-        console.print(failure.detail, markup=False, highlight=False)
+        console.print(failure.detail, markup=False, highlight=False, soft_wrap=True)
     if run_dir is not None:
         console.print(f"run manifest: {run_dir / 'prism_run_manifest.v2.json'}", markup=False)
 

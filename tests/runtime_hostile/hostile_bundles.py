@@ -12,24 +12,8 @@ from __future__ import annotations
 import base64
 import textwrap
 
-UNIFORM = """
-import torch
-from torch import nn
+from helpers import UNIFORM_ARCH as UNIFORM  # noqa: E402 - tests/ is on sys.path (conftest)
 
-
-class Uniform(nn.Module):
-    def __init__(self, v):
-        super().__init__()
-        self.v = v
-        self.bias = nn.Parameter(torch.zeros(1))
-
-    def forward(self, tokens):
-        return torch.zeros(tokens.shape[0], tokens.shape[1], self.v) * self.bias
-
-
-def build_model(ctx):
-    return Uniform(ctx.vocab_size)
-"""
 
 PROBE = """
 import json, os

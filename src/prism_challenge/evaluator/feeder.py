@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import random
 import secrets
 import socket
 import threading
@@ -33,6 +34,8 @@ from prism_challenge.evaluator.protocol import Kind, ProtocolError
 from prism_challenge.evaluator.statedict import StateError, rebuild
 
 LN2 = math.log(2.0)
+PROBE_FIRST = 2  # the first batches are always probed for causality
+PROBE_RATE = 1 / 16  # and this share of the rest, at random
 
 
 @dataclass
@@ -248,6 +251,7 @@ class Feeder:
         self._t0 = time.monotonic()
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
+        self._rng = random.SystemRandom()
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if os.path.exists(socket_path):
@@ -385,13 +389,22 @@ class Feeder:
         st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
-        protocol.send(
-            st.sock,
-            Kind.BATCH,
-            {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])},
-            memoryview(tokens).cast("B"),
-        )
+        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
+        probe = self._probe(st.step, int(tokens.shape[1]))
+        if probe is not None:
+            header["probe"] = probe
+        protocol.send(st.sock, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
+
+    def _probe(self, step: int, seq_len: int) -> list[int] | None:
+        """Whether to probe this batch for causality, and how: ``[k, shift]`` or ``None``.
+
+        The first ``PROBE_FIRST`` batches and a ``PROBE_RATE`` share of the others, drawn from
+        the operating system's random source (unpredictable to the submission).
+        """
+        if seq_len < 2 or not (step < PROBE_FIRST or self._rng.random() < PROBE_RATE):
+            return None
+        return [self._rng.randrange(1, seq_len), self._rng.randrange(1, self.vocab_size)]
 
     def _piece(self, st: RankState, b: int, t: int) -> tuple[np.ndarray, int] | None:
         """This rank's slice of the global batch of its next step (caller holds the lock)."""
@@ -440,6 +453,8 @@ class Feeder:
             raise ProtocolError(f"rank {st.rank} sent a loss record for a batch it was not given")
         nats = header.get("nats")
         finite = isinstance(nats, (int, float)) and not isinstance(nats, bool) and math.isfinite(nats)
+        if finite and nats < 0:
+            raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
         if not finite:
             nats = 2.0 * math.log(self.vocab_size) * pending["targets"]
         st.pending = None

@@ -80,19 +80,23 @@ def check_logits(logits: object, batch: int, seq_len: int, vocab_size: int) -> t
     return logits
 
 
-def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int) -> float:
+def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
+                probe: tuple[int, int] | None = None) -> float:
     """Total nats of ``tokens[:, 1:]`` under ``model`` in eval mode (see module docstring).
 
     Args:
         model: the scored module; its per-module train/eval modes are restored afterwards.
         tokens: ``[B, T]`` int64 on the model's device, ``T >= 2``.
         vocab_size: ``V``, the tokenizer's number of real tokens.
+        probe: ``(k, shift)``: also run the causality probe (:func:`check_causal`) with every
+            token at positions ``>= k`` replaced by ``(token + shift) mod V``.
 
     Returns:
         Total nats (float64 sum of float32 per-target losses); may be ``inf``/``nan``.
 
     Raises:
-        ContractError: the logits are not ``[B, T, V' >= V]`` floats.
+        ContractError: the logits are not ``[B, T, V' >= V]`` floats, or the probe found that
+            a prediction depends on a later token.
     """
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -101,6 +105,8 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int) -> floa
             logits = check_logits(model(tokens), tokens.shape[0], tokens.shape[1], vocab_size)
             if logits.shape[2] != vocab_size:
                 logits = logits[..., :vocab_size]
+            if probe is not None:
+                check_causal(model, tokens, logits, vocab_size, *probe)
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
             picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1))  # [B, T-1, 1]
             total = -picked.double().sum()
@@ -108,3 +114,39 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int) -> floa
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+CAUSAL_RTOL = 1e-4
+
+
+def check_causal(model: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, vocab_size: int,
+                 k: int, shift: int) -> None:
+    """The causality probe: predictions at positions ``< k`` must not depend on tokens ``>= k``.
+
+    A model whose logits at position ``t`` read token ``t + 1`` (a non-causal mask, a roll of
+    the input, state carried from the batch) would be scored on text it has already seen. The
+    probe runs ``model`` (already in eval mode, under ``no_grad``) on a copy of ``tokens`` whose
+    positions ``>= k`` are shifted by ``shift`` modulo ``V`` and requires the first ``k``
+    positions' logits to equal ``logits[:, :k]`` within ``CAUSAL_RTOL`` of their largest
+    magnitude. The feeder picks which batches are probed, ``k`` and ``shift``, from a secret
+    random source; the submission cannot tell a probed batch from another before it is scored.
+
+    Raises:
+        ContractError: naming ``k``, the largest difference and the rule.
+    """
+    t = tokens.shape[1]
+    if not 1 <= k < t or not 1 <= shift < vocab_size:
+        raise ValueError(f"bad probe k={k}, shift={shift} for T={t}, V={vocab_size}")
+    changed = tokens.clone()
+    changed[:, k:] = (changed[:, k:] + shift) % vocab_size
+    devices = [tokens.device] if tokens.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the probe leaves the RNG streams as they were
+        other = check_logits(model(changed), tokens.shape[0], t, vocab_size)[:, :k, :vocab_size].float()
+    ref = logits[:, :k].float()
+    diff = float((other - ref).abs().max())
+    scale = max(1.0, float(ref.abs().max()))
+    if not diff <= CAUSAL_RTOL * scale:  # also catches nan
+        raise ContractError(
+            f"the model is not causal: its logits at positions < {k} changed by {diff:.3g} when only the "
+            f"tokens at positions >= {k} changed; a prediction may use earlier tokens only"
+        )

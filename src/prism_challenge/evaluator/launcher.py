@@ -52,6 +52,19 @@ def torchrun_command(nproc: int) -> list[str]:
     ]
 
 
+ENV_KEEP = {"PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
+ENV_KEEP_PREFIXES = ("LC_", "NCCL_", "NVIDIA_")
+
+
+def sandbox_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The part of ``environ`` a sandboxed run may see: locale, ``PATH``, ``PYTHONPATH`` and the
+    GPU selection; ``HOME`` points at the sandbox's private ``/tmp``. Everything else (API tokens,
+    cloud keys, agent sockets) is dropped."""
+    env = {k: v for k, v in environ.items() if k in ENV_KEEP or k.startswith(ENV_KEEP_PREFIXES)}
+    env["HOME"] = "/tmp"
+    return env
+
+
 @dataclass
 class Launched:
     """A started torchrun process tree."""
@@ -85,6 +98,7 @@ def launch(
     threads: int,
     cwd: Path,
     wrap: list[str] | None = None,
+    clean_env: bool = False,
 ) -> Launched:
     """Start torchrun with the runner module.
 
@@ -95,12 +109,14 @@ def launch(
         threads: intra-op CPU threads per rank (``OMP_NUM_THREADS``).
         cwd: working directory of the children (the run's artifacts directory).
         wrap: an isolation prefix (e.g. a bubblewrap argv) placed before the command.
+        clean_env: pass only :func:`sandbox_env` of this environment (tokens, keys and other
+            secrets of the operator's shell never reach submitted code).
 
     Raises:
         LaunchError: the layout is refused.
     """
     cmd = (wrap or []) + torchrun_command(nproc)
-    env = dict(os.environ)
+    env = sandbox_env(os.environ) if clean_env else dict(os.environ)
     env.update(env_extra)
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)

@@ -146,8 +146,9 @@ class Runtime:
             tokens = torch.frombuffer(payload, dtype=torch.int64).view(rows, cols)
             if self.device != "cpu":
                 tokens = tokens.to(self.device, non_blocking=False)
+            probe = header.get("probe")
             try:
-                nats = score_batch(model, tokens, self.vocab_size)
+                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
             protocol.send(self.sock, Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
