@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,14 +46,20 @@ def backend(request):
 
 @pytest.fixture
 def layout(tmp_path):
-    """Directories of one sandbox: writable, bundle (ro), socket dir, outside (under the host's /tmp),
-    and, outside /tmp so that only the hiding keeps them closed, a world-readable hidden dir and
-    hidden file next to a world-readable visible file."""
+    """Directories of one sandbox: writable, bundle (ro), socket dir, outside (a sibling of the
+    bundle, under the host's /tmp); ``base``, a world-readable tree outside /tmp that the sandbox
+    binds read-only (``readable``) and in it a hidden dir and a hidden file next to a visible
+    file, so that only the hiding keeps them closed; ``unbound``, a world-readable tree outside
+    every bound path (as the raw data in /work/shared/data is), which must be absent."""
     d = {name: tmp_path / name for name in ("w", "bundle", "sock", "outside")}
     for p in d.values():
         p.mkdir()
-    base = Path(tempfile.mkdtemp(prefix="prism-test-iso-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
-    base.chmod(0o755)
+    var_tmp = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    base = Path(tempfile.mkdtemp(prefix="prism-test-iso-", dir=var_tmp))
+    unbound = Path(tempfile.mkdtemp(prefix="prism-test-iso-unbound-", dir=var_tmp))
+    for p in (base, unbound):
+        p.chmod(0o755)
+    d["base"], d["unbound"] = base, unbound
     d["hidden"] = base / "data"
     d["hidden"].mkdir(mode=0o755)
     (d["hidden"] / "secret.txt").write_text("the held-out text")
@@ -60,16 +67,20 @@ def layout(tmp_path):
     d["hidden_file"].write_text("5a" * 32)
     d["visible_file"] = base / "public.txt"
     d["visible_file"].write_text("public")
-    for f in (d["hidden"] / "secret.txt", d["hidden_file"], d["visible_file"]):
+    d["raw"] = unbound / "train.jsonl"
+    d["raw"].write_text('{"text": "the raw train text"}\n')
+    for f in (d["hidden"] / "secret.txt", d["hidden_file"], d["visible_file"], d["raw"]):
         f.chmod(0o644)
     (d["bundle"] / "architecture.py").write_text("x = 1\n")
     (d["outside"] / "data.txt").write_text("outside")
     yield d
     shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(unbound, ignore_errors=True)
 
 
 def prefix_for(layout, backend, **kw):
     kw.setdefault("uid", pick_sandbox_uid() if ROOT else None)
+    kw.setdefault("readable", isolation._default_readable() + [str(layout["base"])])
     uid = kw["uid"]
     pre = sandbox_prefix(
         "strict",
@@ -84,10 +95,10 @@ def prefix_for(layout, backend, **kw):
     return pre, uid
 
 
-def run_in(prefix, code, timeout=120):
+def run_in(prefix, code, timeout=120, cwd=None):
     """Run ``code`` in the sandbox; it prints one JSON object on its last stdout line."""
     res = subprocess.run(prefix + [sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                         text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -171,6 +182,10 @@ print(json.dumps(out))
 
 
 # -- filesystem -------------------------------------------------------------------------------
+REPO = Path(isolation.__file__).resolve().parents[3]  # the harness checkout (src/prism_challenge/...)
+SRC = Path(isolation.__file__).resolve().parents[2]
+
+
 def test_filesystem_view(layout, backend, tmp_path):
     pre, uid = prefix_for(layout, backend)
     w, b, h, hf, outside, vf = (str(layout[k]) for k in ("w", "bundle", "hidden", "hidden_file", "outside",
@@ -184,9 +199,10 @@ attempt("read_outside", lambda: open({outside!r} + "/data.txt").read())
 attempt("read_bundle", lambda: open({b!r} + "/architecture.py").read())
 attempt("write_writable", lambda: open({w!r} + "/out.txt", "w").write("hello") and None)
 attempt("write_bundle", lambda: open({b!r} + "/evil.py", "w").close())
-attempt("write_repo", lambda: open({os.getcwd()!r} + "/evil.txt", "w").close())
+attempt("write_src", lambda: open({str(SRC)!r} + "/evil.txt", "w").close())
 attempt("write_root", lambda: open("/evil.txt", "w").close())
 attempt("write_etc", lambda: open("/etc/evil.txt", "w").close())
+attempt("write_usr", lambda: open("/usr/evil.txt", "w").close())
 attempt("write_outside", lambda: open({outside!r} + "/evil.txt", "w").close())
 attempt("write_tmp", lambda: open("/tmp/scratch.txt", "w").write("x") and None)
 attempt("write_shm", lambda: open("/dev/shm/scratch", "w").write("x") and None)
@@ -201,7 +217,7 @@ print(json.dumps(out))
     assert r["read_outside"] == "ENOENT"  # the host's /tmp is not there: a private /tmp
     assert r["read_bundle"] == "x = 1\n"
     assert r["write_writable"] == "ok" and (layout["w"] / "out.txt").read_text() == "hello"
-    for key in ("write_bundle", "write_repo", "write_root", "write_etc"):
+    for key in ("write_bundle", "write_src", "write_root", "write_etc", "write_usr"):
         assert r[key] in ("EROFS", "EACCES"), key
     assert r["write_outside"] == "ENOENT"
     assert r["write_tmp"] == "ok" and r["write_shm"] == "ok"
@@ -209,8 +225,130 @@ print(json.dumps(out))
     assert not (layout["bundle"] / "evil.py").exists() and not (layout["outside"] / "evil.txt").exists()
     assert not os.path.exists("/tmp/scratch.txt") or open("/tmp/scratch.txt").read() != "x"
     assert (layout["hidden"] / "secret.txt").read_text() == "the held-out text"  # untouched on the host
-    if ROOT and os.path.exists("/etc/shadow") and not os.stat("/etc/shadow").st_mode & 0o004:
-        assert r["read_shadow"] == "EACCES"  # not root inside: the host's secrets stay closed
+    assert r["read_shadow"] == "ENOENT"  # /etc is an allow-list of files
+
+
+def test_only_the_allow_list_is_there(layout, backend):
+    """An empty root with the system trees, a few /etc files, the interpreter, sys.path, the
+    bundle, the socket dir and the artifacts: the rest of the host is absent (ENOENT)."""
+    other_run = layout["w"].parent / "other-run"  # another run's files, beside this one's
+    (other_run / "artifacts").mkdir(parents=True)
+    (other_run / "prism_run_manifest.v2.json").write_text("{}")
+    pre, _ = prefix_for(layout, backend)
+    shared = REPO.parent / "shared"
+    controls = {"raw": layout["raw"], "unbound_dir": layout["unbound"], "bundle_sibling": layout["outside"],
+                "other_run": other_run / "prism_run_manifest.v2.json", "repo_pyproject": REPO / "pyproject.toml",
+                "repo_tests": REPO / "tests"}
+    for name, path in controls.items():  # there on the host
+        assert path.exists(), name
+    probes = {name: str(p) for name, p in controls.items()}
+    probes.update({"repo_git": str(REPO / ".git"), "shared": str(shared), "shared_data": str(shared / "data"),
+                   "root_home": "/root/.bashrc", "root_pyenv_shims": "/root/.pyenv/shims", "home": "/home",
+                   "srv": "/srv", "mnt": "/mnt", "opt": "/opt", "var_lib": "/var/lib", "run": "/run",
+                   "boot": "/boot", "shadow": "/etc/shadow", "etc_pip": "/etc/pip.conf",
+                   "sys_firmware": "/sys/firmware", "dev_disk": "/dev/vda"})
+    tmp_parent = str(layout["w"].parent.parent)  # other tests' directories are there on the host
+    r = run_in(pre, TRY + f"""
+import glob
+for name, path in {probes!r}.items():
+    attempt(name, lambda p=path: os.stat(p) and None)
+attempt("glob_jsonl", lambda: sorted(glob.glob({str(shared / "data")!r} + "/*.jsonl")))
+for d in ("/", "/etc", "/var", "/var/tmp", {str(REPO)!r}, {str(layout["w"].parent)!r}, {tmp_parent!r}):
+    attempt("ls:" + d, lambda d=d: sorted(os.listdir(d)))
+print(json.dumps(out))
+""")
+    for name in probes:
+        assert r[name] == "ENOENT", (name, r[name])
+    assert r["glob_jsonl"] == []
+    allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "sys", "dev", "proc", "tmp"}
+    needed = isolation._default_readable() + [str(layout["base"])]
+    allowed |= {Path(p).parts[1] for p in needed if len(Path(p).parts) > 1}
+    assert set(r["ls:/"]) <= allowed, set(r["ls:/"]) - allowed
+    assert set(r["ls:/etc"]) <= set(isolation.ETC_FILES) | {f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+    assert r["ls:/var"] == ["tmp"] and r["ls:/var/tmp"] == [layout["base"].name]  # only the bound tree
+    assert r[f"ls:{REPO}"] == [SRC.name]  # the checkout: only the package's src dir
+    # the bundle's parent holds only what is bound there (bundle, socket dir, artifacts)
+    assert set(r[f"ls:{layout['w'].parent}"]) == {"w", "bundle", "sock"}
+    assert r[f"ls:{tmp_parent}"] == [layout["w"].parent.name]
+
+
+def test_the_working_directory_is_kept_where_the_sandbox_has_it(layout, backend):
+    """The launcher runs torchrun in the artifacts dir (mode 0700, the sandbox uid's): both
+    backends enter it, after the uid drop; a directory the sandbox lacks gives /."""
+    pre, _ = prefix_for(layout, backend)
+    code = "import json, os; print(json.dumps({'cwd': os.getcwd()}))"
+    assert run_in(pre, code, cwd=layout["w"]) == {"cwd": str(layout["w"])}
+    assert run_in(pre, code, cwd=layout["unbound"]) == {"cwd": "/"}
+
+
+@pytest.mark.slow
+def test_the_interpreter_torch_and_the_package_import_inside(layout, backend):
+    pre, _ = prefix_for(layout, backend, readable=None)  # the default: interpreter and sys.path
+    r = run_in(pre, """
+        import json, os, sys, torch, prism_challenge, numpy
+        from prism_challenge.evaluator import launcher
+        print(json.dumps({"torch": torch.__file__, "pkg": prism_challenge.__file__, "prefix": sys.prefix,
+                          "base": sys.base_prefix, "t": float(torch.ones(3).sum())}))
+    """)
+    import prism_challenge
+    import torch
+
+    assert r["torch"] == torch.__file__ and r["pkg"] == prism_challenge.__file__
+    assert r["prefix"] == sys.prefix and r["base"] == sys.base_prefix and r["t"] == 3.0
+
+
+@pytest.fixture
+def standin_device():
+    """A character device the minimal /dev lacks, usable by the sandbox uid, to stand in for
+    /dev/nvidia*: as root, a fresh node (the null device's numbers, mode 0666) in the host's /dev."""
+    if ROOT:
+        path = f"/dev/prism-iso-test-{os.getpid()}"
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            os.chmod(path, 0o666)
+        except OSError as exc:
+            pytest.skip(f"cannot make a device node in /dev: {exc}")
+        yield path
+        os.unlink(path)
+        return
+    dev = next((p for p in ("/dev/fuse", "/dev/net/tun", "/dev/vsock")
+                if os.path.exists(p) and os.stat(p).st_mode & 0o006 == 0o006), None)
+    if dev is None:
+        pytest.skip("no world-usable character device to stand in for /dev/nvidia*")
+    yield dev
+
+
+def test_gpu_device_nodes_are_bound_when_present(layout, backend, monkeypatch, standin_device):
+    """/dev/nvidia* (here: a stand-in) is bound read-write and usable: the device's bind keeps its
+    own flags, not the nodev of the sandbox's /dev; the host's other devices are not there."""
+    dev = standin_device
+    monkeypatch.setattr(isolation, "_gpu_devices", lambda: [dev])
+    pre, _ = prefix_for(layout, backend)
+    r = run_in(pre, TRY + f"""
+import stat
+attempt("chr", lambda: stat.S_ISCHR(os.stat({dev!r}).st_mode))
+attempt("write", lambda: os.write(os.open({dev!r}, os.O_RDWR), b"x"))
+attempt("kmsg", lambda: os.stat("/dev/kmsg") and None)
+attempt("vda", lambda: os.stat("/dev/vda") and None)
+print(json.dumps(out))
+""")
+    assert r == {"chr": True, "write": 1, "kmsg": "ENOENT", "vda": "ENOENT"}
+
+
+def test_plan_is_an_allow_list():
+    """The plan starts from nothing: no bind of "/" or of /etc, /home, /var, /srv, /work as a whole."""
+    readable = isolation._default_readable()
+    plan = isolation._plan(writable=[], hidden=[], tmp_dir=None, socket_dir=None, bundle_dir=None,
+                           readable=readable, tmp_bytes=1 << 20, shm_bytes=1 << 20, devices=["/dev/nvidia0"])
+    binds = [op[2] for op in plan.ops if op[0] == "bind"]
+    assert "/" not in binds and "/etc" not in binds
+    for p in ("/home", "/var", "/srv", "/mnt", "/opt", "/root", "/work", str(REPO)):
+        assert p not in binds, p
+    assert ("devbind", "/dev/nvidia0", "/dev/nvidia0") in plan.ops
+    assert plan.ops[-1] == ("remount_ro", "/")
+    argv = isolation._render_bwrap(plan)
+    assert "--dev-bind" in argv and argv[-2:] == ["--remount-ro", "/"]
+    assert ["--ro-bind", "/", "/"] not in [argv[i:i + 3] for i in range(len(argv))]
 
 
 def test_hidden_path_containing_a_needed_path_is_refused(layout, backend):

@@ -92,6 +92,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         console=console,
         disable=args.no_progress,
         transient=False,
+        refresh_per_second=2,  # the parent shares the cores with the ranks
     )
     state: dict[str, Any] = {}
 

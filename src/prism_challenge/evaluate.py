@@ -55,6 +55,10 @@ DEFAULT_THREADS = 2
 DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long to exit
 WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after this long
 LOG_TAIL_LINES = 12
+# The parent shares the cores with the ranks: it wakes rarely (an OMP thread of a rank that
+# loses its core stalls every other thread of that rank at the next barrier).
+WATCH_INTERVAL_S = 0.05
+GUARD_INTERVAL_S = 1.0
 DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
 STATE_NAME = "trained_state.pt"
 DEFAULT_MEMORY_LIMIT = 32 << 30  # RLIMIT_AS per process on CPU (torch reserves much address space)
@@ -286,7 +290,8 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path
     )
     hidden = [str(p) for p in (data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model")]
     if opts.isolation == "none":
-        return _Sandbox("none", [], Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes), hidden, limits, None, None)
+        guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, interval_s=GUARD_INTERVAL_S)
+        return _Sandbox("none", [], guard, hidden, limits, None, None)
     try:
         backend = available_backend()
         uid = pick_sandbox_uid() if os.geteuid() == 0 else None
@@ -296,7 +301,8 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path
         )
     except IsolationError as exc:
         raise EvalFailure("isolation", str(exc)) from None
-    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=limits.max_processes)
+    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=limits.max_processes,
+                  interval_s=GUARD_INTERVAL_S)
     return _Sandbox(opts.isolation, prefix, guard, hidden, limits, backend, uid)
 
 
@@ -440,7 +446,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
 def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_launch: float) -> str | None:
     """Wait for the run to end; returns why the parent stopped it early (or ``None``)."""
     while proc.poll() is None:
-        time.sleep(0.02)
+        time.sleep(WATCH_INTERVAL_S)
         now = time.monotonic()
         if feeder.failed.is_set():
             time.sleep(0.5)  # let the runner finish writing its report, then stop the tree

@@ -147,6 +147,37 @@ def test_reading_data_heldout_and_cache_files_fails(tmp_path, public_data_dir):
             assert got in ("PermissionError", "FileNotFoundError"), (name, got)
 
 
+@needs_integration
+@needs_sandbox
+def test_the_host_outside_the_allow_list_is_absent(tmp_path, public_data_dir):
+    """Strict is an allow-list view: the raw text the data was prepared from (world-readable, as
+    /work/shared/data/*.jsonl is), another run's directory, the harness checkout but its src dir,
+    and the host's home and config are not there at all (not merely unreadable)."""
+    var_tmp = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    raw_dir = Path(tempfile.mkdtemp(prefix="prism-e2e-raw-", dir=var_tmp))
+    try:
+        raw_dir.chmod(0o755)
+        raw = raw_dir / "train.jsonl"
+        raw.write_text('{"text": "the exact train text"}\n')
+        raw.chmod(0o644)
+        other_run = tmp_path / "other-run"
+        (other_run / "artifacts").mkdir(parents=True)
+        (other_run / MANIFEST_NAME).write_text("{}")
+        paths = {"raw": str(raw), "dir:raw_dir": str(raw_dir), "other_run": str(other_run / MANIFEST_NAME),
+                 "dir:other_run": str(other_run), "repo_pyproject": str(REPO / "pyproject.toml"),
+                 "dir:repo_tests": str(REPO / "tests"), "dir:data": str(public_data_dir),
+                 "dir:shared_data": str(REPO.parent / "shared" / "data"), "etc_shadow": "/etc/shadow",
+                 "dir:home": "/home", "dir:srv": "/srv", "dir:var_lib": "/var/lib", "dir:opt": "/opt"}
+        o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.read_bundle(paths)), data_dir=str(public_data_dir))
+    finally:
+        shutil.rmtree(raw_dir, ignore_errors=True)
+    assert o.failure is None, o.failure
+    p = probe(o)
+    assert set(p) == set(paths)
+    for name, got in p.items():
+        assert got == "FileNotFoundError", (name, got)
+
+
 # -- writing outside the artifacts directory --------------------------------------------------
 @needs_integration
 @needs_sandbox

@@ -4,22 +4,35 @@
 
 * **network**: an empty network namespace; only loopback is up (torchrun's local rendezvous and
   gloo work, nothing outside the sandbox is reachable, not even the host's loopback);
-* **filesystem**: the whole tree read-only; writable: the run's artifacts directory (bind) and a
-  private ``/tmp`` (a host ``tmp_dir`` bound there, or a size-capped tmpfs); a private,
-  size-capped ``/dev/shm``; the bundle and the feeder socket's directory read-only; every
-  ``hidden`` path (data directory, token caches, salts, ...) replaced by an empty tmpfs (a file:
-  by an empty file of mode 000), so it cannot be read;
+* **filesystem**: an allow-list. The sandbox starts from an empty root (a tmpfs, read-only once
+  built) and sees only: read-only, ``/usr`` and ``/bin``, ``/sbin``, ``/lib*`` (binds, or the
+  merged-usr links), a few files of ``/etc`` (:data:`ETC_FILES`: ``ld.so.cache``, ``passwd``,
+  ``group``, ``nsswitch.conf``, ``hosts``...; not ``/etc`` as a whole, which holds host
+  configuration and secrets), the device and topology trees of ``/sys`` (:data:`SYS_TREES`), the
+  interpreter (``sys.prefix``, ``sys.base_prefix``, ``sys.exec_prefix``) and every entry of its
+  ``sys.path`` (site-packages, the editable source dir of this package) and ``$LD_LIBRARY_PATH``,
+  the bundle and the feeder socket's directory; read-write, the run's artifacts directory and a
+  private ``/tmp`` (a host ``tmp_dir`` bound there, or a size-capped tmpfs); a minimal ``/dev``
+  (null, zero, full, random, urandom, tty) with a private, size-capped ``/dev/shm`` and the GPU
+  nodes (``/dev/nvidia*``, ``/dev/dri``) where present; a new ``/proc``. Each path is bound at
+  its own place, alone: where the interpreter lives under ``/root`` (pyenv, say) only that
+  directory is there, not the rest of ``/root``. Everything else of the host (the data and its raw
+  sources, other runs, the harness checkout but its ``src``, ``/home``, ``/var``, ``/srv``...)
+  does not exist in the sandbox. A ``hidden`` path (data directory, token caches, salts, ...)
+  that lies inside one of those trees is covered by an empty tmpfs (a file: by an empty file of
+  mode 000), so it cannot be read;
 * **processes**: a new pid namespace (the tree is killed with its init), a new session, a new
   ``/proc``, IPC and UTS namespaces, and death with the parent;
 * **identity**: when PRISM runs as root, the submission runs as a dedicated unprivileged uid
-  (:func:`pick_sandbox_uid`) with no capabilities and ``no_new_privs``. A path the sandbox must
-  reach (interpreter, site-packages, bundle, artifacts) below a directory that uid cannot
-  traverse (``/root`` is mode 0700) is reached through a tmpfs laid over that directory and a
-  read-only bind of just the needed path, so everything else there stays invisible.
+  (:func:`pick_sandbox_uid`) with no capabilities and ``no_new_privs``. The directories above
+  each bound path are made afresh (mode 0755) on the empty root, so the uid reaches a path below
+  ``/root`` (mode 0700 on the host) and sees nothing else there.
 
 Backends: Debian's ``bubblewrap`` (``bwrap``) when it works, else ``unshare(1)`` from util-linux
-plus a small init (:mod:`prism_challenge.evaluator.sandbox_init`, run with ``python -I -S``) that performs the same mounts with
-``mount(2)``/``mount_setattr(2)``, brings loopback up and drops privileges. :func:`available_backend`
+plus a small init (:mod:`prism_challenge.evaluator.sandbox_init`, run with ``python -I -S``) that
+builds the same view with ``mount(2)``/``mount_setattr(2)`` on an empty tmpfs, makes it the root
+with ``pivot_root(2)`` (the old root is detached), brings loopback up and drops privileges. Both
+render one plan (:func:`_plan`), so they show the same view. :func:`available_backend`
 probes by actually running a sandbox; ``strict`` with neither working raises
 :class:`IsolationError` (fail closed).
 
@@ -62,13 +75,13 @@ from typing import Any
 MODES = ("strict", "none")
 BACKENDS = ("bwrap", "unshare")
 ENV_BACKEND = "PRISM_ISOLATION_BACKEND"  # force "bwrap" or "unshare" (tests, debugging)
+ENV_CWD = "PRISM_SANDBOX_CWD"  # the caller's working directory, from outside bwrap to its init
 
 SANDBOX_UID_MIN = 200_000  # dedicated uids for sandboxes (no passwd entry needed)
 SANDBOX_UID_SPAN = 50_000
 DEFAULT_TMP_BYTES = 512 << 20  # private /tmp tmpfs
 DEFAULT_SHM_BYTES = 1 << 30  # private /dev/shm tmpfs
 HIDDEN_TMPFS_BYTES = 4096
-ANCESTOR_TMPFS_BYTES = 1 << 20
 PROBE_TIMEOUT_S = 20.0
 
 __all__ = [
@@ -175,10 +188,39 @@ def pick_sandbox_uid(seed: int | None = None) -> int:
 # -------------------------------------------------------------------------------------------
 # The mount plan (one plan, rendered for bwrap or for the helper)
 # -------------------------------------------------------------------------------------------
+# The view is an allow-list: an empty root (tmpfs) with read-only binds of the system trees,
+# a few files of /etc, the device and topology trees of /sys, the interpreter and sys.path,
+# and the run's own directories. Everything else of the host is absent (ENOENT).
+SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # a dir or a merged-usr link
+# /etc, file by file: what glibc, the dynamic linker and Python read. /etc as a whole would also
+# show host configuration that can hold secrets (pip.conf, npmrc, gitconfig, ssh and database
+# configs, machine-id), and hiding a deny-list (shadow, gshadow, ...) misses whatever is added
+# later. passwd and group hold no secrets (the hashes are in shadow) and let getpwuid/getgrgid work.
+ETC_FILES = (
+    "ld.so.cache",  # the dynamic linker finds libraries in /usr/lib/<triplet> (libstdc++, libcuda)
+    "passwd", "group", "nsswitch.conf",  # getpwuid/getgrgid and how lookups are done
+    "hosts", "host.conf", "gai.conf",  # "localhost" for torchrun's rendezvous and gloo
+    "localtime",  # time.localtime (a link into /usr/share/zoneinfo: its target is bound)
+    "alternatives",  # symlinks only: /usr/bin/cc, c++, awk... resolve through it
+    "nccl.conf",  # NCCL's settings, when present
+)
+# sysfs, the same subset flatpak exposes: CPU and NUMA topology (sysconf, OpenMP), PCI and GPU
+# topology (CUDA, NVML, NCCL). Kernel state, no host files; read-only.
+SYS_TREES = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")  # the unshare backend's /dev
+ROOT_TMPFS_BYTES = 1 << 20  # the unshare backend's empty root (directories and mount points only)
+
+
 @dataclass
 class _Plan:
-    ops: list[tuple] = field(default_factory=list)  # ("tmpfs", path, size, mode) | ("dir", path, mode)
-    # | ("bind", src, dst, ro)
+    """Mount operations, in order, on an empty root:
+
+    ``("tmpfs", path, size, mode)``, ``("dir", path, mode)``, ``("bind", src, dst, ro)``,
+    ``("symlink", target, path)``, ``("dev", path)`` (a minimal /dev), ``("devbind", src, dst)``
+    (a device node, read-write), ``("proc", path)`` (a new /proc), ``("remount_ro", path)``.
+    """
+
+    ops: list[tuple] = field(default_factory=list)
 
 
 def _under(path: str, root: str) -> bool:
@@ -197,13 +239,30 @@ def _traversable(path: str, uid: int, gid: int) -> bool:
     return bool(st.st_mode & stat.S_IXOTH)
 
 
+@functools.lru_cache(maxsize=8)
+def _interpreter_path(executable: str, pythonpath: str | None, pythonhome: str | None) -> tuple[str, ...]:
+    """``sys.path`` of ``executable`` as it starts (what the sandboxed ranks get): site-packages,
+    ``.pth`` entries (the editable src dir), ``$PYTHONPATH``. Not what a host program (pytest,
+    say) inserted into its own ``sys.path`` at run time."""
+    try:
+        res = subprocess.run([executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, cwd="/",
+                             stdin=subprocess.DEVNULL)
+        return tuple(json.loads(res.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return tuple(sys.path)
+
+
 def _default_readable() -> list[str]:
-    """Paths the sandboxed interpreter needs: its prefixes, the executable, ``sys.path``."""
+    """Paths the sandboxed interpreter needs: its prefixes, the executable, its ``sys.path``,
+    the package's own source tree, ``$LD_LIBRARY_PATH``."""
     out = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    out += [p for p in sys.path if p and os.path.isabs(p)]
+    out += [p for p in _interpreter_path(sys.executable, os.environ.get("PYTHONPATH"), os.environ.get("PYTHONHOME"))
+            if p and os.path.isabs(p)]
     import prism_challenge
 
     out.append(str(Path(prism_challenge.__file__).resolve().parents[1]))
+    out += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p and os.path.isabs(p)]
     seen, uniq = set(), []
     for p in out:
         rp = os.path.realpath(p)
@@ -211,6 +270,24 @@ def _default_readable() -> list[str]:
             seen.add(rp)
             uniq.append(rp)
     return uniq
+
+
+def _system_view() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """([(link, target)] of top-level merged-usr links, [(src, dst)] read-only binds) of the system."""
+    links: list[tuple[str, str]] = []
+    binds: list[tuple[str, str]] = []
+    for p in SYSTEM_TREES:
+        if os.path.islink(p):
+            links.append((p, os.readlink(p)))
+        elif os.path.isdir(p):
+            binds.append((p, p))
+    py_etc = f"/etc/python{sys.version_info[0]}.{sys.version_info[1]}"  # Debian's sitecustomize
+    for name in ETC_FILES + ((os.path.basename(py_etc),) if os.path.isdir(py_etc) else ()):
+        dst = os.path.join("/etc", name)
+        if os.path.exists(dst):
+            binds.append((os.path.realpath(dst), dst))  # a link's target, at the link's place
+    binds += [(p, p) for p in SYS_TREES if os.path.isdir(p) and not os.path.islink(p)]
+    return links, binds
 
 
 def _plan(
@@ -221,19 +298,10 @@ def _plan(
     socket_dir: str | None,
     bundle_dir: str | None,
     readable: Sequence[str],
-    uid: int | None,
-    gid: int | None,
     tmp_bytes: int,
     shm_bytes: int,
+    devices: Sequence[str] = (),
 ) -> _Plan:
-    plan = _Plan()
-    plan.ops.append(("tmpfs", "/dev/shm", shm_bytes, 0o1777))
-    if tmp_dir is not None:
-        plan.ops.append(("bind", tmp_dir, "/tmp", False))
-    else:
-        plan.ops.append(("tmpfs", "/tmp", tmp_bytes, 0o1777))
-    replaced = ["/tmp"]  # areas whose host content is gone inside the sandbox
-
     needed: list[tuple[str, bool]] = [(p, True) for p in readable]
     if bundle_dir:
         needed.append((bundle_dir, True))
@@ -245,60 +313,76 @@ def _plan(
             if ro is False or p in (bundle_dir, socket_dir):
                 if _under(p, h):
                     raise IsolationError(f"hidden path {h} contains {p}, which the sandbox needs")
-    needed = [(p, ro) for p, ro in needed if not any(_under(p, h) for h in hidden)]
 
-    if uid is not None:  # lay a tmpfs over each directory the sandbox uid cannot traverse
-        gid = uid if gid is None else gid
-        for p, _ro in needed:
-            if any(_under(p, r) for r in replaced):
+    def shown(p: str) -> bool:
+        return not any(_under(p, h) for h in hidden)
+
+    plan = _Plan()
+    mounts: list[tuple[str, str | None]] = []  # (dst, src of a bind, else None), in mount order
+    dirs: set[str] = {"/"}
+
+    def parents(dst: str) -> None:
+        """Create the directories above ``dst`` (mode 0755) where the host tree is not bound."""
+        parts = Path(dst).parts
+        for i in range(2, len(parts)):
+            anc = str(Path(*parts[:i]))
+            if anc in dirs:
                 continue
-            parts = Path(p).parts
-            for i in range(2, len(parts)):  # ancestors below "/", down to the parent
-                anc = str(Path(*parts[:i]))
-                if not _traversable(anc, uid, gid):
-                    if not any(_under(anc, r) for r in replaced):
-                        plan.ops.append(("tmpfs", anc, ANCESTOR_TMPFS_BYTES, 0o755))
-                        replaced.append(anc)
-                    break
+            holder = max((m for m in mounts if _under(anc, m[0])), key=lambda m: len(m[0]), default=None)
+            if holder is not None and holder[1] == holder[0]:
+                return  # inside a bind of the same host path: the directories exist
+            plan.ops.append(("dir", anc, 0o755))
+            dirs.add(anc)
 
-    binds: list[tuple[str, bool]] = []
-    for p, ro in needed:
-        if not ro or any(_under(p, r) for r in replaced) or p in (bundle_dir, socket_dir):
-            binds.append((p, ro))
+    def mount(op: tuple, dst: str, src: str | None = None) -> None:
+        parents(dst)
+        plan.ops.append(op)
+        mounts.append((dst, src))
+        dirs.add(dst)
+
+    links, system = _system_view()
+    for link, target in links:
+        plan.ops.append(("symlink", target, link))
+        dirs.add(link)
+    for src, dst in system:
+        if shown(dst) and shown(src):
+            mount(("bind", src, dst, True), dst, dst if src == dst else src)
+    mount(("dev", "/dev"), "/dev")
+    for dev in devices:
+        mount(("devbind", dev, dev), dev, dev)
+    mount(("tmpfs", "/dev/shm", shm_bytes, 0o1777), "/dev/shm")
+    mount(("proc", "/proc"), "/proc")
+    if tmp_dir is not None:
+        mount(("bind", tmp_dir, "/tmp", False), "/tmp", tmp_dir)
+    else:
+        mount(("tmpfs", "/tmp", tmp_bytes, 0o1777), "/tmp")
+
+    binds = [(p, ro) for p, ro in needed if shown(p)]
     binds.sort(key=lambda b: (len(Path(b[0]).parts), b[0]))
-    # a read-only bind inside another read-only bind shows the same files: drop it
+    sys_dsts = [dst for src, dst in system if src == dst]
+    # a read-only bind inside another read-only bind (or a system tree) shows the same files: drop it;
+    # the bundle and the socket dir always get their own bind (the view must not depend on the rest)
     binds = [(p, ro) for p, ro in binds
-             if not (ro and any(q != p and qro and _under(p, q) for q, qro in binds))]
-    made: set[str] = set()
-    done: list[str] = []
+             if not (ro and p not in (bundle_dir, socket_dir)
+                     and (any(_under(p, d) for d in sys_dsts)
+                          or any(q != p and qro and _under(p, q) for q, qro in binds)))]
+    seen: set[str] = set()
     for p, ro in binds:
-        # the deepest tmpfs or earlier bind holding p: inside a tmpfs, create the missing
-        # intermediate directories with mode 0755 (else they would be 0700)
-        holders = [(r, "tmpfs") for r in replaced if _under(p, r) and p != r]
-        holders += [(q, "bind") for q in done if _under(p, q) and p != q]
-        if holders:
-            holder, kind = max(holders, key=lambda x: len(x[0]))
-            if kind == "tmpfs":
-                cur = holder
-                for part in Path(p).relative_to(holder).parts[:-1]:
-                    cur = os.path.join(cur, part)
-                    if cur not in made:
-                        plan.ops.append(("dir", cur, 0o755))
-                        made.add(cur)
-        plan.ops.append(("bind", p, p, ro))
-        done.append(p)
+        if p not in seen:
+            seen.add(p)
+            mount(("bind", p, p, ro), p, p)
 
-    bound = [p for p, _ in binds]
-    for h in hidden:
+    for h in hidden:  # a hidden path inside a bound tree: covered
         if not os.path.lexists(h):
             continue
-        visible = any(_under(h, b) for b in bound) or not any(_under(h, r) for r in replaced)
-        if not visible:
-            continue
+        holder = max((m for m in mounts if _under(h, m[0])), key=lambda m: len(m[0]), default=None)
+        if holder is None or holder[1] != holder[0]:
+            continue  # on the empty root, a tmpfs, or a bind of another host path: not there
         if os.path.isdir(h):
             plan.ops.append(("tmpfs", h, HIDDEN_TMPFS_BYTES, 0o000))
         else:
             plan.ops.append(("bind", _blank_file(), h, True))
+    plan.ops.append(("remount_ro", "/"))
     return plan
 
 
@@ -326,12 +410,25 @@ def _blank_file() -> str:
 def _render_bwrap(plan: _Plan) -> list[str]:
     out: list[str] = []
     for op in plan.ops:
-        if op[0] == "tmpfs":
+        kind = op[0]
+        if kind == "tmpfs":
             out += ["--size", str(op[2]), "--perms", f"{op[3]:04o}", "--tmpfs", op[1]]
-        elif op[0] == "dir":
+        elif kind == "dir":
             out += ["--perms", f"{op[2]:04o}", "--dir", op[1]]
-        elif op[0] == "bind":
+        elif kind == "bind":
             out += ["--ro-bind" if op[3] else "--bind", op[1], op[2]]
+        elif kind == "symlink":
+            out += ["--symlink", op[1], op[2]]
+        elif kind == "dev":
+            out += ["--dev", op[1]]
+        elif kind == "devbind":
+            out += ["--dev-bind", op[1], op[2]]
+        elif kind == "proc":
+            out += ["--proc", op[1]]
+        elif kind == "remount_ro":
+            out += ["--remount-ro", op[1]]
+        else:
+            raise IsolationError(f"unknown mount op {kind!r}")
     return out
 
 
@@ -365,12 +462,10 @@ def _prefix(
             if uid is not None:
                 argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
                 spec["capbset"] = True
-        argv += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
-        for dev in _gpu_devices():
-            argv += ["--dev-bind", dev, dev]
-        argv += _render_bwrap(plan)
+        argv += _render_bwrap(plan)  # bwrap starts from an empty root (a tmpfs) of its own
         argv.append("--")
-        return argv + _helper_argv(spec)
+        spec["cwd_env"] = ENV_CWD
+        return _helper_argv({"pass_cwd": ENV_CWD}) + argv + _helper_argv(spec)
     if backend == "unshare":
         unshare = shutil.which("unshare")
         if unshare is None:
@@ -382,7 +477,9 @@ def _prefix(
         argv += ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
                  "--propagation", "private", "--"]
         inner = dict(spec)
-        inner["mounts"] = [("ro_all",), ("proc", "/proc")] + plan.ops
+        inner["mounts"] = plan.ops  # built on an empty tmpfs, then pivot_root into it
+        inner["root_bytes"] = ROOT_TMPFS_BYTES
+        inner["dev_nodes"] = list(DEV_NODES)
         inner["lo"] = True
         inner["init"] = True
         inner["capbset"] = True
@@ -431,10 +528,12 @@ def sandbox_prefix(
       (read-write; ``None``: a tmpfs of ``tmp_bytes``), a private ``/dev/shm`` of ``shm_bytes``;
     * ``bundle_dir`` and ``socket_dir`` read-only (connecting to a socket needs no write access
       to its directory), the interpreter and ``sys.path`` (``readable``, default: this
-      interpreter's prefixes and ``sys.path``), everything else read-only except ``hidden``;
-    * ``hidden``: directories as empty tmpfs (mode 000), files as an empty file of mode 000;
-      reading either fails (``EACCES``) once capabilities are dropped. Paths that do not exist
-      are skipped.
+      interpreter's prefixes, the ``sys.path`` it starts with, this package's source dir and
+      ``$LD_LIBRARY_PATH``), the system trees, the files of :data:`ETC_FILES`, :data:`SYS_TREES`,
+      a minimal ``/dev`` with the GPU nodes, a new ``/proc``; nothing else of the host exists;
+    * ``hidden``: inside one of those trees, directories as empty tmpfs (mode 000), files as an
+      empty file of mode 000; reading either fails (``EACCES``) once capabilities are dropped.
+      Paths that do not exist, or are outside every bound tree (absent anyway), are skipped.
 
     Args:
         mode: ``"strict"`` or ``"none"``.
@@ -472,12 +571,13 @@ def sandbox_prefix(
     w = [norm(p) for p in writable]
     h = [norm(p) for p in hidden]
     r = _default_readable() if readable is None else [norm(p) for p in readable]
+    r = [p for p in r if os.path.exists(p)]  # nothing to bind for a path that does not exist
     t, s, bdir = norm(tmp_dir), norm(socket_dir), norm(bundle_dir)
     for p in w + ([t] if t else []) + ([s] if s else []) + ([bdir] if bdir else []):
         if not os.path.isdir(p):
             raise IsolationError(f"{p}: not a directory (the sandbox binds it)")
     plan = _plan(writable=w, hidden=h, tmp_dir=t, socket_dir=s, bundle_dir=bdir, readable=r,
-                 uid=uid, gid=gid, tmp_bytes=tmp_bytes, shm_bytes=shm_bytes)
+                 tmp_bytes=tmp_bytes, shm_bytes=shm_bytes, devices=_gpu_devices())
     if uid is not None:
         _chown_for(uid, gid, w, t, s)
     return _prefix(backend, plan, uid=uid, gid=gid, limits=limits)

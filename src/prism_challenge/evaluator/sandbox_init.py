@@ -3,11 +3,15 @@
 Run by :mod:`prism_challenge.evaluator.isolation` as ``python -I -S sandbox_init.py SPEC --
 argv...`` inside fresh namespaces made by ``unshare(1)``: no ``site``, nothing imported from the
 bundle or the package, so it starts in about 10 ms. ``SPEC`` is a JSON object: ``mounts`` (the
-bind/tmpfs/remount operations that build the read-only view), ``lo`` (bring loopback up),
+operations that build the allow-listed view on an empty tmpfs, which then becomes the root by
+``pivot_root``; the old root is detached), ``root_bytes``, ``dev_nodes`` (the device nodes of
+the minimal ``/dev``), ``lo`` (bring loopback up),
 ``init`` (act as pid 1 of the new pid namespace, reaping orphans), ``setsid``, ``rlimits``,
 ``env``, ``uid``/``gid`` (drop to the sandbox identity), ``capbset``/``dropcaps`` (drop every
-capability), ``chdir``, ``pdeathsig``. It then sets ``no_new_privs`` and execs ``argv``; any
-failure exits with status 126 and a ``prism-sandbox:`` line on stderr (fail closed).
+capability), ``chdir``, ``pdeathsig``, ``pass_cwd``/``cwd_env`` (bwrap's outer helper puts the
+working directory in that variable; the inner one enters it once it runs as the sandbox uid).
+It then sets ``no_new_privs`` and execs ``argv``; any failure exits with status 126 and a
+``prism-sandbox:`` line on stderr (fail closed).
 """
 import ctypes, fcntl, json, os, resource, signal, socket, struct, sys
 spec = json.loads(sys.argv[1])
@@ -67,41 +71,91 @@ def mkdirs(path, mode=0o755):
             os.mkdir(cur, mode)
             os.chmod(cur, mode)
 
-def do_mounts(ops):
+# pivot_root(2) has no libc wrapper; its number by architecture (the generic table: 41)
+PIVOT_ROOT = {"x86_64": 155, "i386": 217, "i686": 217, "s390x": 217, "ppc64le": 203, "ppc64": 203,
+              "armv7l": 218, "armv6l": 218}.get(os.uname().machine, 41)
+STAGE = "/tmp"  # where the new root is built (in this private mount namespace only)
+
+def do_mounts(ops, root_bytes, dev_nodes):
+    """Build the view on an empty tmpfs, then make it the root: nothing else of the host is left."""
     fds, isdir = {}, {}
-    for op in ops:  # open every bind source before anything is covered
-        if op[0] == "bind" and op[1] not in fds:
-            fds[op[1]] = os.open(op[1], os.O_PATH | os.O_CLOEXEC)
-            isdir[op[1]] = os.path.isdir(op[1])
+    def hold(src):  # open every bind source before anything is covered
+        if src not in fds:
+            fds[src] = os.open(src, os.O_PATH | os.O_CLOEXEC)
+            isdir[src] = os.path.isdir(src)
+    for op in ops:
+        if op[0] in ("bind", "devbind"):
+            hold(op[1])
+        elif op[0] == "dev":
+            for name in dev_nodes:
+                if os.path.exists("/dev/" + name):
+                    hold("/dev/" + name)
+    mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=755" % root_bytes)
+    def at(path):
+        return STAGE + path if path != "/" else STAGE
+    def bind(src, dst):
+        if isdir[src]:
+            mkdirs(dst)
+        elif not os.path.lexists(dst):
+            mkdirs(os.path.dirname(dst))
+            os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o644))
+        mount("/proc/self/fd/%d" % fds[src], dst, None, MS_BIND | MS_REC)
     for op in ops:
         kind = op[0]
-        if kind == "ro_all":
-            ro_recursive("/")
-        elif kind == "proc":
-            mount("proc", op[1], "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if kind == "proc":
+            mkdirs(at(op[1]))
+            mount("proc", at(op[1]), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            for name in ("sys", "sysrq-trigger", "irq", "bus"):  # read-only, as bwrap does
+                p = at(op[1]) + "/" + name
+                if os.path.exists(p):
+                    mount(p, p, None, MS_BIND | MS_REC)
+                    ro_recursive(p)
         elif kind == "tmpfs":
             _, path, size, mode = op
-            mkdirs(path)
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=%o" % (size, mode))
+            mkdirs(at(path))
+            mount("tmpfs", at(path), "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=%o" % (size, mode))
         elif kind == "dir":
-            mkdirs(op[1])
-            os.chmod(op[1], op[2])
+            mkdirs(at(op[1]))
+            os.chmod(at(op[1]), op[2])
+        elif kind == "symlink":
+            mkdirs(os.path.dirname(at(op[2])))
+            os.symlink(op[1], at(op[2]))
+        elif kind == "dev":  # what bwrap's --dev makes: a few nodes, /dev/fd & co, pts and shm dirs
+            dev = at(op[1])
+            mkdirs(dev)
+            mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NODEV, "size=65536,mode=755")
+            for name in dev_nodes:
+                if "/dev/" + name in fds:
+                    bind("/dev/" + name, dev + "/" + name)
+            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
+                                 ("ptmx", "pts/ptmx"), ("core", "/proc/kcore")):
+                os.symlink(target, dev + "/" + name)
+            for name in ("pts", "shm"):
+                mkdirs(dev + "/" + name)
+        elif kind == "devbind":
+            bind(op[1], at(op[2]))  # keeps the source's flags (not nodev)
         elif kind == "bind":
             _, src, dst, ro = op
-            if isdir[src]:
-                mkdirs(dst)
-            elif not os.path.lexists(dst):
-                mkdirs(os.path.dirname(dst))
-                os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o644))
-            mount("/proc/self/fd/%d" % fds[src], dst, None, MS_BIND | MS_REC)
+            bind(src, at(dst))
             if ro:
-                ro_recursive(dst)
+                ro_recursive(at(dst))
             else:  # a bind copies the source mount's read-only flag: clear it on the top mount
-                mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+                mount(None, at(dst), None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+        elif kind == "remount_ro":
+            mount(None, at(op[1]), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         else:
             die("unknown mount op %r" % (kind,))
     for fd in fds.values():
         os.close(fd)
+    # pivot_root(".", "."): the old root ends up on top of the new one, then is detached
+    os.chdir(STAGE)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(PIVOT_ROOT, b".", b".") != 0:
+        die("pivot_root: %s" % os.strerror(ctypes.get_errno()))
+    if libc.umount2(b".", 2) != 0:  # MNT_DETACH
+        die("detach the old root: %s" % os.strerror(ctypes.get_errno()))
+    os.chdir("/")
 
 def lo_up():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -110,14 +164,29 @@ def lo_up():
     fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 0x1 | 0x40))
     s.close()
 
+if spec.get("pass_cwd"):  # bwrap's outer helper: hand the working directory on, then exec
+    try:
+        os.environ[spec["pass_cwd"]] = os.getcwd()
+    except OSError:
+        pass
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        die("exec %s: %s" % (argv[0], exc))
 if spec.get("pdeathsig"):
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != spec["pdeathsig"]:
         os._exit(137)
 os.umask(0o022)
+try:
+    cwd = os.getcwd()
+except OSError:
+    cwd = "/"
+if spec.get("cwd_env"):  # bwrap cannot enter a directory only the sandbox uid may: do it here
+    cwd = os.environ.pop(spec["cwd_env"], None) or cwd
 if spec.get("mounts"):
     os.umask(0)
-    do_mounts(spec["mounts"])
+    do_mounts(spec["mounts"], spec.get("root_bytes", 1 << 20), spec.get("dev_nodes", []))
     os.umask(0o022)
 if spec.get("lo"):
     lo_up()
@@ -172,8 +241,8 @@ if spec.get("dropcaps"):
         die("capset: %s" % os.strerror(ctypes.get_errno()))
 if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
     die("no_new_privs: %s" % os.strerror(ctypes.get_errno()))
-try:
-    os.chdir(spec.get("chdir") or os.getcwd())
+try:  # the working directory, where the sandbox has it (else /)
+    os.chdir(spec.get("chdir") or cwd)
 except OSError:
     os.chdir("/")
 try:
