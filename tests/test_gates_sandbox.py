@@ -10,7 +10,7 @@ import pytest
 
 from prism_challenge.gates import run_gates
 from prism_challenge.gates.astindex import BundleIndex, build_module, lookup
-from prism_challenge.gates.sandbox import check_modules, module_rule, parse_source
+from prism_challenge.gates.sandbox import check_modules, module_rule, namespace_rule, origin_rule, parse_source
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_TRAINING = (REPO / "examples" / "tiny-1m" / "training.py").read_text(encoding="utf-8")
@@ -165,6 +165,16 @@ def test_column_is_in_characters():
         ("numpy", "prism:import-not-allowed"),
         ("os.path", "prism:no-process"),
         ("helpers", None),
+        ("helpers._private", None),
+        ("torch.fx", "prism:no-dynamic-code"),
+        ("torch.export", "prism:no-dynamic-code"),
+        ("torch.jit", None),
+        ("torch.jit.frontend", "prism:no-dynamic-code"),
+        ("torch.cuda.gds", "prism:no-filesystem"),
+        ("collections._sys", "prism:private-attr"),
+        ("typing.get_type_hints", "prism:no-dynamic-code"),
+        ("dataclasses.asdict", "prism:private-attr"),
+        ("functools.singledispatch", "prism:no-dynamic-code"),
     ],
 )
 def test_module_rules(mod, rule):
@@ -200,10 +210,113 @@ def test_dunders_and_builtin_types_are_not_private_or_blocked():
     from torch import nn
 
     V = torch.__version__
-    call = nn.Module.__call__
     keys = dict.fromkeys(["a"])
     n = int.from_bytes(b"\\x01", "little")
     name = nn.Linear.__name__
+    doc = nn.Linear.__doc__
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.forward_name = type(self).__name__
     """
     _, findings = scan({"m.py": src})
     assert findings == []
+    # any other dunder is a private attribute: only the ones above are read
+    _, findings = scan({"m.py": "from torch import nn\ncall = nn.Module.__call__\n"})
+    assert [(f.rule, f.line) for f in findings] == [("prism:private-attr", 2)]
+
+
+@pytest.mark.parametrize(
+    "name,rule",
+    [
+        ("typing.Optional", None),
+        ("typing.get_type_hints", "prism:no-dynamic-code"),
+        ("typing.evaluate_forward_ref", "prism:no-dynamic-code"),
+        ("dataclasses.dataclass", None),
+        ("dataclasses.make_dataclass", "prism:no-dynamic-code"),
+        ("dataclasses.replace", "prism:ctx-forge"),
+        ("functools.partial", None),
+        ("functools.singledispatchmethod", "prism:no-dynamic-code"),
+        ("torch.jit.is_scripting", None),
+        ("torch.jit.script", "prism:no-dynamic-code"),
+        ("torch.jit.CompilationUnit", "prism:no-dynamic-code"),
+    ],
+)
+def test_allow_listed_namespaces(name, rule):
+    hit = namespace_rule(name)
+    assert (hit[0] if hit else None) == rule
+
+
+@pytest.mark.parametrize(
+    "name,rule",
+    [
+        ("torch.utils.data.IterDataPipe", "prism:no-filesystem"),
+        ("torch.utils.data.runtime_validation", "prism:no-filesystem"),
+        ("torch.utils.checkpoint.get_type_hints", "prism:no-dynamic-code"),
+        ("torch.distributed.distributed_c10d.rendezvous", "prism:no-network"),
+        ("torch.load", None),
+        ("torch.nn.Linear", None),
+        ("torch.utils.data.DistributedSampler", None),
+        ("typing.Text", None),
+    ],
+)
+def test_re_exports_are_judged_where_they_were_defined(name, rule):
+    hit = origin_rule(name)
+    assert (hit[0] if hit else None) == rule
+
+
+def test_global_and_nonlocal_bindings_land_where_python_puts_them():
+    src = """
+    import torch
+
+    def setup():
+        global T
+        T = torch
+
+    def outer():
+        U = None
+
+        def inner():
+            nonlocal U
+            U = torch.hub
+        inner()
+        return U.load("a/b", "c")
+
+    def use():
+        return T.hub.load("a/b", "c")
+    """
+    _, findings = scan({"m.py": src})
+    assert sorted((f.rule, f.line) for f in findings) == [
+        ("prism:no-network", 13),  # U = torch.hub, reached again through U.load
+        ("prism:no-network", 18),
+    ]
+
+
+def test_private_attribute_exceptions_are_exactly_super_init_and_own_modules():
+    src = """
+    from torch import nn
+    import tools
+    from tools import _scale
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super(Net, self).__init__()
+            self.k = tools._scale + _scale
+
+
+    class Other(nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self._cache = {}
+            super(type(self), self).__init__()
+    """
+    tools = "_scale = 2\n"
+    _, findings = scan({"m.py": src, "tools.py": tools})
+    assert sorted((f.rule, f.line) for f in findings) == [
+        ("prism:no-monkeypatch", 17),  # type(self) handed to a call
+        ("prism:private-attr", 15),
+        ("prism:private-attr", 16),
+        ("prism:private-attr", 17),
+    ]

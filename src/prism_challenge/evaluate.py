@@ -14,7 +14,6 @@ import os
 import platform
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable

@@ -164,6 +164,85 @@ CASES: list[Case] = [
     A("array-namespace", "prism:no-introspection", "__array_namespace__", body="np = model.emb.weight.detach().numpy().__array_namespace__()"),
     A("getstate-dict", "prism:no-introspection", "__getstate__", body='F.__getstate__()["cross_entropy"] = print'),
     A("op-py-impl", "prism:no-monkeypatch", "py_impl", body="torch.ops.aten.add.default.py_impl(print)"),
+    # --- private attributes on any object (the red-team routes to ctx._runtime) -----------
+    A("typing-eval-type", "prism:private-attr", "_eval_type", top="import typing", body='box = []\ntyping._eval_type(typing.List["box.append(1) or int"], {"box": box}, None)'),
+    A("ctx-next-iter", "prism:private-attr", "._runtime", body="rt = next(iter([ctx]))._runtime"),
+    A("ctx-box", "prism:private-attr", "box[0]._runtime", body="box = []\nbox.append(ctx)\nrt = box[0]._runtime"),
+    A("ctx-dict-get", "prism:private-attr", "._runtime", body='rt = {"k": ctx}.get("k")._runtime'),
+    A("ctx-lambda", "prism:private-attr", "._runtime", body="rt = (lambda z: z)(ctx)._runtime"),
+    A("self-private-unbound", "prism:private-attr", "self._runtime", top="class Peek:\n    def peek(self):\n        return self._runtime", body="rt = Peek.peek(ctx)"),
+    A("getattr-private", "prism:private-attr", "getattr(", body='p = getattr(model, "_parameters")'),
+    A("hasattr-private", "prism:private-attr", "hasattr(", body='h = hasattr(next(iter([ctx])), "_runtime")'),
+    A("setattr-private", "prism:private-attr", "setattr(", body='setattr(model, "_forward_hooks", {})'),
+    A("import-private", "prism:private-attr", "import _lru_cache_wrapper", top="from functools import _lru_cache_wrapper"),
+    A("dunder-init-call", "prism:private-attr", "nn.Module.__init__(model)", body="nn.Module.__init__(model)"),
+    A("format-private", "prism:private-attr", "format", body='s = "{0._runtime}".format(next(iter([ctx])))'),
+    A("format-map-private", "prism:private-attr", "format_map", body='s = "{c._runtime}".format_map({"c": next(iter([ctx]))})'),
+    A("match-private-kw", "prism:private-attr", "case object", body="match next(iter([ctx])):\n    case object(_runtime=rt):\n        pass"),
+    A("match-positional", "prism:private-attr", "case nn.Module", body="match model:\n    case nn.Module(a):\n        pass"),
+    A("dataclasses-asdict", "prism:private-attr", "asdict", top="import dataclasses", body="d = dataclasses.asdict(ctx)"),
+    # --- computed attribute names, modules used as values ---------------------------------
+    A("format-computed", "prism:dynamic-attr", "fmt.format", body='fmt = "{0." + "_runtime}"\ns = fmt.format(ctx)'),
+    A("format-augassign", "prism:dynamic-attr", "fmt.format", body='fmt = "{0."\nfmt += "_runtime}"\ns = fmt.format(ctx)'),
+    A("str-format-unbound", "prism:dynamic-attr", "str.format", body='s = str.format("{0}", ctx)'),
+    A("module-returned", "prism:dynamic-attr", "return torch", top="def get():\n    return torch", body='get().hub.load("a/b", "c")'),
+    A("module-lambda", "prism:dynamic-attr", "lambda", top="import dataclasses", body='(lambda: dataclasses)().builtins.eval("1")'),
+    A("module-through-call", "prism:dynamic-attr", "next(iter([torch]))", body='next(iter([torch])).hub.load("a/b", "c")'),
+    A("computed-class-base", "prism:dynamic-attr", "class Fake", top="def ident(c):\n    return c\n\n\nclass Fake(ident(torch.Tensor)):\n    pass"),
+    A("update-wrapper-names", "prism:dynamic-attr", "update_wrapper", top="import functools", body='functools.update_wrapper(model, ctx, assigned=("_runtime",), updated=())'),
+    # --- string evaluation and code generation --------------------------------------------
+    A("typing-get-args", "prism:no-dynamic-code", "get_args", top="import typing", body="a = typing.get_args(typing.List[int])"),
+    A("typing-reexport", "prism:no-dynamic-code", "get_type_hints", top="from torch.utils.checkpoint import get_type_hints"),
+    A("make-dataclass", "prism:no-dynamic-code", "make_dataclass", top="import dataclasses", body='C = dataclasses.make_dataclass("C", ["a"])'),
+    A("singledispatch", "prism:no-dynamic-code", "singledispatch", top="import functools\n\n\n@functools.singledispatch\ndef f(x):\n    return x"),
+    A("jit-script", "prism:no-dynamic-code", "jit.script", body="m = torch.jit.script(model)"),
+    A("jit-fork", "prism:no-dynamic-code", "jit.fork", body="fut = torch.jit.fork(print, 1)"),
+    A("fx-trace", "prism:no-dynamic-code", "symbolic_trace", body="g = torch.fx.symbolic_trace(model)"),
+    A("export", "prism:no-dynamic-code", "torch.export", top="from torch.export import export"),
+    A("quantize-fx", "prism:no-dynamic-code", "quantize_fx", top="from torch.ao.quantization.quantize_fx import prepare_fx"),
+    A("compile-backend", "prism:no-dynamic-code", "torch.compile", top="def be(gm, example_inputs):\n    return gm", body="m = torch.compile(model, backend=be)"),
+    A("compile-options", "prism:no-dynamic-code", "torch.compile", body='m = torch.compile(model, options={"cpp.cxx": ("sh",)})'),
+    A("module-compile-backend", "prism:no-dynamic-code", "model.compile", top="def be(gm, example_inputs):\n    return gm", body="model.compile(backend=be)"),
+    A("compile-alias", "prism:no-dynamic-code", "c = torch.compile", body='c = torch.compile\nm = c(model, backend="x")'),
+    A("ops-import-module", "prism:no-dynamic-code", "import_module", body='o = torch.ops.import_module("os")'),
+    A("dunder-path", "prism:no-dynamic-code", "__path__", top='__path__ = ["/usr/lib/python3"]'),
+    A("dunder-package", "prism:no-dynamic-code", "__package__", top='__package__ = "prism_challenge.evaluator"'),
+    A("dunder-annotations", "prism:no-introspection", "__annotations__", top="from dataclasses import dataclass\n\n\n@dataclass\nclass C:\n    x: int\n    __annotations__[\"y=print(1)\"] = int"),
+    # --- files, processes, network, FFI, interactive reached through torch -----------------
+    A("datapipe-reexport", "prism:no-filesystem", "argument_validation", top="from torch.utils.data import argument_validation"),
+    A("datapipe-base", "prism:no-filesystem", "IterDataPipe", top="class P(torch.utils.data.IterDataPipe):\n    pass"),
+    A("ops-aten-save", "prism:no-filesystem", "aten.save", body='torch.ops.aten.save(model, "/tmp/m")'),
+    A("cuda-gds", "prism:no-filesystem", "gds", body='f = torch.cuda.gds.GdsFile("/tmp/x", 0)'),
+    A("cuda-tunable", "prism:no-filesystem", "tunable", body='torch.cuda.tunable.write_file("/tmp/x")'),
+    A("trace-observer", "prism:no-filesystem", "ExecutionTraceObserver", body='o = torch.profiler.ExecutionTraceObserver().register_callback("/tmp/x")'),
+    A("show-pickle", "prism:no-pickle", "show_pickle", top="from torch.utils import show_pickle"),
+    A("dataloader-workers", "prism:no-process", "DataLoader", body="dl = torch.utils.data.DataLoader([1, 2], num_workers=2)"),
+    A("xeon-launcher", "prism:no-process", "run_cpu", top="from torch.backends.xeon import run_cpu"),
+    A("rendezvous-fn", "prism:no-network", "rendezvous", body='r = torch.distributed.distributed_c10d.rendezvous("tcp://10.0.0.1:1")'),
+    A("debug-server", "prism:no-network", "debug", body="torch.distributed.debug.start_debug_server()"),
+    A("global-alias", "prism:no-network", "T.hub", top="def setup():\n    global T\n    T = torch", body='setup()\nT.hub.load("a/b", "c")'),
+    A("cudart", "prism:no-ffi", "cudart", body="rt = torch.cuda.cudart()"),
+    A("allocator-delete", "prism:no-ffi", "caching_allocator_delete", body="torch.cuda.caching_allocator_delete(1234)"),
+    A("dist-breakpoint", "prism:no-interactive", "breakpoint", body="torch.distributed.breakpoint()"),
+    # --- classes built or hooked outside the gate's view ----------------------------------
+    A("type-three-args", "prism:no-monkeypatch", "type(", body='T = type("T", (torch.Tensor,), {})'),
+    A("metaclass-call", "prism:no-monkeypatch", "type(torch.Tensor)(", body='T = type(torch.Tensor)("T", (torch.Tensor,), {})'),
+    A("type-passed", "prism:no-monkeypatch", "[type]", body='T = [type][0]("T", (torch.Tensor,), {})'),
+    A("parameter-subclass", "prism:no-monkeypatch", "class P", top="class P(nn.Parameter):\n    def float(self):\n        return self"),
+    A("hash-override", "prism:no-monkeypatch", "def __hash__", top="class H(nn.Module):\n    def __hash__(self):\n        return 0"),
+    A("mro-entries", "prism:no-monkeypatch", "def __mro_entries__", top="class B:\n    def __mro_entries__(self, bases):\n        return (torch.Tensor,)"),
+    A("harness-method-assigned", "prism:no-monkeypatch", "named_parameters =", top="class H(nn.Module):\n    named_parameters = None"),
+    A("finalizer", "prism:no-monkeypatch", "def __del__", top="class H:\n    def __del__(self):\n        pass"),
+    A("name-rebind", "prism:no-monkeypatch", "__name__ =", top='__name__ = "torch"'),
+    A("flop-counter", "prism:no-monkeypatch", "flop_counter", top="from torch.utils.flop_counter import FlopCounterMode"),
+    A("backend-registration", "prism:no-monkeypatch", "backend_registration", top="from torch.utils.backend_registration import rename_privateuse1_backend"),
+    A("tensor-class-through-call", "prism:no-monkeypatch", "next(iter([torch.Tensor]))", body="next(iter([torch.Tensor])).gather = print"),
+    A("tensor-class-partial", "prism:no-monkeypatch", "partial(torch.Tensor)", top="import functools", body="functools.partial(torch.Tensor).func.gather = print"),
+    A("ctx-type-through-call", "prism:no-monkeypatch", "type(ctx)", body="c2 = next(iter([type(ctx)]))(0, 2, 2, 1)"),
+    A("tensor-class-returned", "prism:no-monkeypatch", "return torch.Tensor", top="def get():\n    return torch.Tensor", body="get().gather = print"),
+    A("annotated-forwards-store", "prism:no-monkeypatch", "typing.Annotated[torch.Tensor", top="import typing", body="next(iter([typing.Annotated[torch.Tensor, 0]])).gather = print"),
+    A("dataclass-field-held", "prism:no-dynamic-code", "F0 = field", top="from dataclasses import dataclass, field\nF0 = field(default=None)\n\n\n@dataclass\nclass C:\n    t: torch.Tensor = F0", body="F0.type.gather = print"),
+    A("dataclasses-fields", "prism:no-dynamic-code", "fields(", top="import dataclasses", body="fs = dataclasses.fields(model)"),
     # --- imports -------------------------------------------------------------------------
     A("numpy", "prism:import-not-allowed", "numpy", top="import numpy"),
     A("star", "prism:import-not-allowed", "import *", top="from torch.nn.functional import *"),
@@ -197,6 +276,9 @@ CASES: list[Case] = [
     T("no-destroy", "prism:ddp-destroy", None, "dist.destroy_process_group()", "pass"),
     T("tcp-rendezvous", "prism:launch-limit", "init_process_group", "init_process_group(backend=backend)", 'init_process_group(backend=backend, init_method="tcp://10.0.0.1:23456")'),
     T("huge-world", "prism:launch-limit", "init_process_group", "init_process_group(backend=backend)", "init_process_group(backend=backend, world_size=64)"),
+    T("positional-init-method", "prism:launch-limit", "init_process_group", "init_process_group(backend=backend)", 'init_process_group(backend, "tcp://10.0.0.1:23456")'),
+    T("kwargs-init-method", "prism:launch-limit", "init_process_group", "init_process_group(backend=backend)", 'init_process_group(**{"backend": backend, "init_method": "tcp://10.0.0.1:1"})'),
+    A("init-through-partial", "prism:launch-limit", "partial(", top="import functools", body='functools.partial(torch.distributed.init_process_group, init_method="tcp://10.0.0.1:1")()'),
     Case("nproc-9", {}, "prism:launch-limit", "", None, {"nproc": 9}),
     Case("two-nodes", {}, "prism:launch-limit", "", None, {"nnodes": 2}),
 ]
@@ -314,6 +396,19 @@ def test_bundle_importing_its_own_helper_passes(tmp_path):
 def test_tied_embedding_bundle_passes(tmp_path):
     files = {"architecture.py": (MODELS / "tied_arch.py").read_text()}
     report = run_gates(write_bundle(tmp_path, files), check_params=False, nproc=2)
+    assert report.findings == []
+
+
+def test_protocols_and_allowed_helpers_bundle_passes(tmp_path):
+    files = {"architecture.py": (MODELS / "protocols_arch.py").read_text()}
+    report = run_gates(write_bundle(tmp_path, files), check_params=False, nproc=2)
+    assert report.findings == []
+
+
+def test_bundle_private_names_of_its_own_modules_pass(tmp_path):
+    helper = "_SCALE = 2.0\n\n\ndef _double(x):\n    return x * _SCALE\n"
+    src = arch("import mytools\nfrom mytools import _SCALE, _double", "model.scale = mytools._double(_double(_SCALE))")
+    report = run_gates(write_bundle(tmp_path, {"architecture.py": src, "mytools.py": helper}), check_params=False, nproc=2)
     assert report.findings == []
 
 

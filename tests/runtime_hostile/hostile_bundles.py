@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import textwrap
 
-from helpers import UNIFORM_ARCH as UNIFORM  # noqa: E402 - tests/ is on sys.path (conftest)
+from helpers import UNIFORM_ARCH as UNIFORM  # noqa: F401 - re-exported; tests/ is on sys.path (conftest)
 
 
 PROBE = """

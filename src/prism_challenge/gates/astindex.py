@@ -59,8 +59,26 @@ class Scope:
     declared_nonlocal: set[str] = field(default_factory=set)
 
     def bind(self, name: str, binding: tuple) -> None:
-        """Record one binding of ``name`` in this scope."""
-        self.bindings.setdefault(name, []).append(binding)
+        """Record one binding of ``name`` in the scope it lands in: this one, the module for a
+        name declared ``global`` here, the enclosing function for one declared ``nonlocal``."""
+        self.target(name).bindings.setdefault(name, []).append(binding)
+
+    def target(self, name: str) -> Scope:
+        """The scope a binding of ``name`` made here lands in."""
+        if name in self.declared_global:
+            return self.module()
+        if name in self.declared_nonlocal:
+            s = self.parent
+            first: Scope | None = None
+            while s is not None and s.kind != "module":
+                if s.kind != "class":
+                    if name in s.bindings and name not in s.declared_nonlocal:
+                        return s
+                    first = first or s
+                s = s.parent
+            if first is not None:
+                return first
+        return self
 
     def module(self) -> Scope:
         """The module scope this scope belongs to."""
@@ -348,7 +366,7 @@ class _Builder:
         self.info.scope_of[id(node.target)] = target_scope
 
     def v_Name(self, node: ast.Name, scope: Scope) -> None:
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in scope.bindings:
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in scope.target(node.id).bindings:
             scope.bind(node.id, ("opaque",))
 
     def _bind_capture(self, name: str | None, scope: Scope) -> None:

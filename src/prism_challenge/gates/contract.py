@@ -116,6 +116,8 @@ def check_contract(
     modules = reachable_modules(index, training_module)
     for info in modules:
         _collect(index, info, facts)
+    for info in sorted(index.modules.values(), key=lambda m: m.rel):  # every module may launch
+        _launch_requests(index, info, facts)
     anchor_line = 0
     main = index.modules.get(training_module)
     if main is not None:
@@ -180,12 +182,35 @@ def _collect(index: BundleIndex, info: ModuleInfo, facts: _Facts) -> None:
             for q in sorted(qs & TORCH_SAVES):
                 facts.writes.append((info, node, q))
                 break
-            if "init_process_group" in _names_of(index, info, node.func):
-                _launch_request(info, node, facts)
+
+
+def _launch_requests(index: BundleIndex, info: ModuleInfo, facts: _Facts) -> None:
+    """``launch-limit`` findings of every ``init_process_group`` call in ``info``, and of every
+    reference to it that is not a direct call (an alias or ``partial`` would hide its arguments)."""
+    for node in info.walk():
+        if isinstance(node, ast.Call) and "init_process_group" in _names_of(index, info, node.func):
+            _launch_request(info, node, facts)
+        elif (
+            isinstance(node, (ast.Name, ast.Attribute))
+            and isinstance(node.ctx, ast.Load)
+            and "init_process_group" in _names_of(index, info, node)
+        ):
+            parent = info.parents.get(id(node))
+            if not (isinstance(parent, ast.Call) and parent.func is node):
+                line, col = info.position(node)
+                facts.launch.append(
+                    Finding("prism:launch-limit", info.rel, line, col, "init_process_group referenced without calling it directly (its arguments are checked at the call)")
+                )
 
 
 def _launch_request(info: ModuleInfo, call: ast.Call, facts: _Facts) -> None:
     line, col = info.position(call)
+    if len(call.args) > 1 or any(isinstance(a, ast.Starred) for a in call.args) or any(
+        kw.arg is None for kw in call.keywords
+    ):
+        facts.launch.append(
+            Finding("prism:launch-limit", info.rel, line, col, "init_process_group with positional or ** arguments past the backend; pass keywords")
+        )
     for kw in call.keywords:
         v = kw.value
         if kw.arg == "world_size" and isinstance(v, ast.Constant) and isinstance(v.value, int):

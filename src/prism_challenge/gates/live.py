@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 import sys
 from functools import lru_cache
-from types import ModuleType
+from types import BuiltinFunctionType, FunctionType, ModuleType
 
 LIVE_ROOTS = frozenset({"torch", "math", "typing", "dataclasses", "collections", "functools", "itertools"})
 """Roots :func:`live_name` may import (the allowlisted, trusted modules)."""
@@ -53,6 +53,70 @@ def _identity(obj: object) -> str | None:
         _identity_names.cache_clear()  # torch.jit / torch.export may have been imported since
         name = _identity_names().get(id(obj))
     return name
+
+
+def _start(qualname: str) -> tuple[object, str, int] | None:
+    parts = qualname.split(".")
+    if parts[0] in LIVE_ROOTS:
+        start = 1
+    elif qualname == LIVE_HARNESS or qualname.startswith(LIVE_HARNESS + "."):
+        start = len(LIVE_HARNESS.split("."))
+    else:
+        return None
+    try:
+        return importlib.import_module(".".join(parts[:start])), ".".join(parts[:start]), start
+    except ImportError:
+        return None
+
+
+_MISSING = object()
+
+
+def live_object(qualname: str) -> object:
+    """The object ``qualname`` names on the trusted modules, or ``None`` when the path does not
+    start at an allowed root (or ``builtins``) or leaves module dictionaries before its end.
+
+    Only module ``__dict__`` entries and already-imported submodules are read: no ``getattr``,
+    so nothing runs.
+    """
+    parts = qualname.split(".")
+    if parts[0] == "builtins" and len(parts) == 2:
+        return vars(builtins).get(parts[1])
+    first = _start(qualname)
+    if first is None:
+        return None
+    obj, _, i = first
+    while i < len(parts):
+        if not isinstance(obj, ModuleType):
+            return None
+        nxt = vars(obj).get(parts[i], _MISSING)
+        if nxt is _MISSING:
+            nxt = sys.modules.get(f"{obj.__name__}.{parts[i]}", _MISSING)
+        if nxt is _MISSING:
+            return None
+        obj = nxt
+        i += 1
+    return obj
+
+
+@lru_cache(maxsize=4096)
+def live_origin(qualname: str) -> str | None:
+    """Where the function or class ``qualname`` names was defined (``module.qualname``), when
+    that differs from ``qualname``: ``torch.utils.data.IterDataPipe`` ->
+    ``torch.utils.data.datapipes.datapipe.IterDataPipe``. ``None`` for anything else (modules,
+    instances, unknown paths)."""
+    obj = live_object(qualname)
+    if not isinstance(obj, (type, FunctionType, BuiltinFunctionType)):
+        return None
+    try:
+        mod = obj.__module__
+        name = obj.__qualname__
+    except AttributeError:
+        return None
+    if not isinstance(mod, str) or not isinstance(name, str):
+        return None
+    full = f"{mod}.{name}"
+    return None if full == qualname else full
 
 
 @lru_cache(maxsize=4096)
@@ -95,7 +159,7 @@ def live_name(qualname: str) -> str | None:
             else:
                 try:
                     spec = importlib.util.find_spec(sub)
-                except (ImportError, ValueError, AttributeError):
+                except Exception:  # torch.classes.x: a module whose __path__ is not a list
                     spec = None
                 if spec is None:
                     return None

@@ -23,6 +23,21 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
   subclasses (their methods would run inside the harness's scoring) and overrides of the
   ``nn.Module`` methods the harness relies on (:data:`HARNESS_FACING_METHODS`);
 * private attributes of ``ctx`` and the harness; private torch modules and attributes;
+* any attribute whose name starts with an underscore, on any expression (``next(iter([ctx]))
+  ._runtime``), also as ``getattr``/``hasattr``/``setattr``/``delattr`` literals, ``from X import
+  _name``, ``str.format`` fields and ``match`` class patterns (``prism:private-attr``); the only
+  exceptions are the string dunders :data:`SAFE_DUNDER_READS`, ``super().__init__`` and names of
+  the bundle's own modules. ``str.format``/``format_map`` only on string literals;
+* allow-listed names only in ``typing``, ``dataclasses``, ``functools`` and ``torch.jit``
+  (:data:`NAMESPACE_ALLOW`), so string-evaluating helpers are blocked by default; objects
+  re-exported by allowed modules are judged where they were defined (:func:`origin_rule`);
+* modules, and the classes whose methods the harness calls (``torch.Tensor``, ``nn.Module``,
+  ``nn.Parameter``, ``type(x)``), used as values (returned, passed, stored): past a call the gate
+  could no longer follow what is reached on them or assigned into them;
+* classes the gate cannot see: ``type(name, bases, ns)``, computed bases, ``torch.Tensor``
+  subclasses and metaclasses looked up on the real modules, dunder members other than the
+  ordinary protocols (:data:`PROTOCOL_DUNDERS`); ``torch.compile`` with a callable backend or
+  ``options``; ``DataLoader`` worker processes;
 * forging a context: calling ``PrismContext``, ``dataclasses.replace``, defining an
   ``artifacts_dir`` of one's own (attribute, keyword, class member or string).
 
@@ -38,8 +53,10 @@ import importlib.machinery
 import re
 import sys
 import tokenize
+from functools import lru_cache
 from io import BytesIO
 from pathlib import Path
+from types import ModuleType
 
 from prism_challenge.gates.astindex import (
     CTX,
@@ -50,7 +67,7 @@ from prism_challenge.gates.astindex import (
     lookup,
 )
 from prism_challenge.gates.findings import Finding
-from prism_challenge.gates.live import live_name
+from prism_challenge.gates.live import live_name, live_object, live_origin
 
 NET = "prism:no-network"
 PROC = "prism:no-process"
@@ -65,6 +82,7 @@ TORCH_IO = "prism:torch-io"
 TORCH_PRIVATE = "prism:torch-private"
 CTX_PRIVATE = "prism:ctx-private"
 CTX_FORGE = "prism:ctx-forge"
+PRIVATE = "prism:private-attr"
 DYN_ATTR = "prism:dynamic-attr"
 NOT_ALLOWED = "prism:import-not-allowed"
 
@@ -88,35 +106,52 @@ BLOCKED_MODULES: dict[str, str] = {
         "poplib imaplib nntplib telnetlib xmlrpc socketserver asyncio asyncore asynchat "
         "selectors select webbrowser email wsgiref cgi cgitb huggingface_hub websocket "
         "websockets grpc paramiko boto3 botocore torch.hub torch.utils.model_zoo "
-        "torch.distributed.rpc torch.distributed.rendezvous",
+        "torch.distributed.rpc torch.distributed.rendezvous torch.distributed.debug "
+        "torch.distributed.nn.api.remote_module torch.distributed.nn.jit",
     ),
     **_group(
         PROC,
         "os posix nt subprocess _posixsubprocess multiprocessing signal pty tty termios "
         "threading _thread concurrent resource atexit sched faulthandler platform sysconfig pwd "
         "grp torch.multiprocessing torch.distributed.run torch.distributed.launch "
-        "torch.distributed.launcher torch.distributed.elastic torch.utils.collect_env",
+        "torch.distributed.launcher torch.distributed.elastic torch.utils.collect_env "
+        "torch.backends.xeon torch.numa",
     ),
     **_group(
         FS,
         "pathlib shutil io _io tempfile glob fileinput zipfile tarfile gzip bz2 lzma zlib "
         "sqlite3 dbm mmap filecmp linecache posixpath ntpath genericpath fcntl stat logging "
         "torch.utils.tensorboard torch.onnx torch.distributed.checkpoint "
-        "torch.utils.data.datapipes torch.utils.hipify",
+        "torch.utils.data.datapipes torch.utils.data.graph torch.utils.data.graph_settings "
+        "torch.utils.hipify torch.utils.file_baton torch.utils.model_dump torch.utils.jit "
+        "torch.cuda.gds torch.cuda.tunable torch.cuda.profiler torch.distributed.flight_recorder",
     ),
     **_group(
         FFI,
         "ctypes _ctypes cffi numba cython Cython distutils setuptools "
-        "torch.utils.cpp_extension torch.cuda.jiterator torch.utils.benchmark",
+        "torch.utils.cpp_extension torch.cuda.jiterator torch.utils.benchmark torch.classes",
     ),
-    **_group(DYN, "importlib imp runpy code codeop zipimport pkgutil types"),
+    **_group(
+        DYN,
+        "importlib imp runpy code codeop zipimport pkgutil types annotationlib "
+        "torch.fx torch.export torch.nativert torch.distributed.pipelining "
+        "torch.ao.quantization.fx torch.ao.quantization.quantize_fx torch.ao.quantization.quantize_jit "
+        "torch.ao.quantization.pt2e torch.ao.quantization.quantize_pt2e torch.ao.ns "
+        "torch.quantization.fx torch.quantization.quantize_fx torch.quantization.quantize_jit "
+        "torch.utils.bundled_inputs torch.utils.mobile_optimizer",
+    ),
     **_group(INTRO, "sys inspect gc builtins __builtin__ traceback dis symtable tracemalloc"),
     **_group(
         PICKLE,
         "pickle _pickle cPickle pickletools dill cloudpickle marshal shelve joblib copyreg "
-        "torch.package torch.serialization",
+        "torch.package torch.serialization torch.utils.show_pickle",
     ),
-    **_group(PATCH, "torch.overrides torch.library unittest.mock"),
+    **_group(
+        PATCH,
+        "torch.overrides torch.library unittest.mock torch.utils.backend_registration "
+        "torch.utils.module_tracker torch.utils.flop_counter torch.distributed.tensor.debug "
+        "torch.monitor",
+    ),
     **_group(INTER, "pdb bdb pydoc readline rlcompleter getpass tkinter turtle curses cmd"),
 }
 """Module (or module prefix) -> the rule its import or use breaks."""
@@ -130,8 +165,13 @@ BLOCKED_BUILTINS: dict[str, str] = {
 }
 """Builtin name -> rule, for loads of the name that reach the builtin."""
 
-BLOCKED_NAMES: dict[str, str] = _group(INTRO, "__builtins__ __loader__ __spec__")
-"""Module globals that are blocked whatever they are bound to."""
+BLOCKED_NAMES: dict[str, str] = {
+    **_group(INTRO, "__builtins__ __loader__ __spec__ __annotations__"),
+    **_group(DYN, "__path__ __package__"),
+}
+"""Module globals that are blocked whatever they are bound to (``__annotations__`` feeds the
+field names ``dataclass`` compiles into code; ``__path__``/``__package__`` redirect the bundle's
+own and relative imports to any directory or package)."""
 
 INTROSPECTION_ATTRS = frozenset(
     (
@@ -162,7 +202,14 @@ BLOCKED_ATTRS: dict[str, str] = {
         "all_gather_object broadcast_object_list gather_object scatter_object_list "
         "send_object_list recv_object_list __reduce__ __reduce_ex__ add_safe_globals",
     ),
-    **_group(DYN, "get_type_hints ForwardRef CompilationUnit"),
+    **_group(
+        DYN,
+        "get_type_hints ForwardRef CompilationUnit import_module evaluate_forward_ref "
+        "evaluate_bound evaluate_constraints evaluate_default evaluate_value",
+    ),
+    **_group(FFI, "cudart caching_allocator_alloc caching_allocator_delete"),
+    **_group(FS, "ExecutionTraceObserver load_nvprof"),
+    **_group(INTER, "breakpoint set_trace"),
     **_group(
         PATCH,
         "__torch_function__ __torch_dispatch__ __array_function__ __array_ufunc__ py_impl "
@@ -171,6 +218,86 @@ BLOCKED_ATTRS: dict[str, str] = {
     **_group(PICKLE, "load_cache_artifacts"),
 }
 """Attribute names blocked on any object (they reach FFI, files, pickles, eval or patch ops)."""
+
+SAFE_DUNDER_READS = frozenset({"__name__", "__qualname__", "__doc__", "__module__", "__version__"})
+"""Dunder attributes a bundle may read (strings) on any object; every other attribute whose name
+starts with an underscore is ``prism:private-attr`` (or the ctx/torch variant), except
+``super().__init__``."""
+
+NAMESPACE_ALLOW: dict[str, tuple[str, frozenset[str]]] = {
+    "typing": (
+        DYN,
+        frozenset(
+            (
+                "Any Optional Union List Dict Tuple Set FrozenSet Type Callable Iterable Iterator "
+                "Generator Sequence MutableSequence Mapping MutableMapping Collection Container "
+                "Sized Hashable Reversible AbstractSet MutableSet KeysView ValuesView ItemsView "
+                "DefaultDict OrderedDict Counter Deque ChainMap TYPE_CHECKING cast Literal Final "
+                "final ClassVar Protocol runtime_checkable NamedTuple TypedDict TypeVar Generic "
+                "ParamSpec Concatenate Annotated NoReturn Never Self TypeAlias TypeGuard AnyStr "
+                "Text SupportsInt SupportsFloat SupportsIndex SupportsAbs SupportsRound overload "
+                "override NewType Required NotRequired Unpack TypeVarTuple LiteralString "
+                "assert_never assert_type reveal_type get_origin no_type_check dataclass_transform"
+            ).split()
+        ),
+    ),
+    "dataclasses": (
+        DYN,
+        frozenset("dataclass field is_dataclass KW_ONLY MISSING FrozenInstanceError".split()),
+    ),
+    "functools": (
+        DYN,
+        frozenset(
+            (
+                "partial partialmethod reduce lru_cache cache cached_property wraps update_wrapper "
+                "total_ordering cmp_to_key WRAPPER_ASSIGNMENTS WRAPPER_UPDATES"
+            ).split()
+        ),
+    ),
+    "torch.jit": (
+        DYN,
+        frozenset("is_scripting is_tracing load save ignore unused annotate Final".split()),
+    ),
+}
+"""Allowed modules whose names are allow-listed (everything else in them is blocked by default):
+``typing`` (``get_type_hints``, ``ForwardRef``, ``get_args`` reach string evaluation),
+``dataclasses`` (``make_dataclass`` builds classes from data, ``asdict``/``astuple`` copy private
+fields such as ``ctx._runtime``, ``replace`` forges contexts, ``fields``/``InitVar`` hand out
+annotation objects), ``functools``
+(``singledispatch`` evaluates string annotations) and ``torch.jit`` (``script`` evaluates
+``# type:`` comments and string annotations; ``fork`` runs threads)."""
+
+NAMESPACE_RULES: dict[str, tuple[str, str]] = {
+    "dataclasses.asdict": (PRIVATE, "copies every field of a dataclass, private ones (ctx._runtime) included"),
+    "dataclasses.astuple": (PRIVATE, "copies every field of a dataclass, private ones (ctx._runtime) included"),
+    "dataclasses.replace": (CTX_FORGE, "builds a copy of a context with fields of one's own"),
+}
+"""Specific reasons for some names outside :data:`NAMESPACE_ALLOW`."""
+
+PROTOCOL_DUNDERS = frozenset(
+    (
+        "__init__ __post_init__ __repr__ __str__ __len__ __iter__ __next__ __reversed__ "
+        "__getitem__ __setitem__ __delitem__ __contains__ __enter__ __exit__ __lt__ __le__ "
+        "__gt__ __ge__ __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ "
+        "__imul__ __matmul__ __rmatmul__ __imatmul__ __truediv__ __rtruediv__ __itruediv__ "
+        "__floordiv__ __rfloordiv__ __ifloordiv__ __mod__ __rmod__ __pow__ __rpow__ __neg__ "
+        "__pos__ __abs__ __invert__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ "
+        "__lshift__ __rshift__ __int__ __float__ __index__ __round__ __slots__ __constants__"
+    ).split()
+)
+"""Dunder names a bundle class may define: the ordinary protocols. Every other dunder member
+(``__eq__``/``__hash__`` that collapse the harness's module sets, ``__mro_entries__``,
+``__class_getitem__``, ``__del__``, descriptors, ``__getstate__``, ``__dict__``, ...) is a hook
+the interpreter or the harness calls outside the bundle's own code."""
+
+BUILTIN_MATCH_TYPES = frozenset(
+    "bool bytearray bytes dict float frozenset int list set str tuple".split()
+)
+"""Classes whose positional match pattern matches the subject itself (no ``__match_args__``)."""
+
+COMPILE_BACKENDS = frozenset({"inductor", "eager", "aot_eager", "cudagraphs"})
+"""``torch.compile`` backends a bundle may name (a callable backend receives the FX graph
+module and can rewrite the code it generates)."""
 
 HOOK_PREFIX = "register_module_"
 """``torch.nn.modules.module.register_module_*``: global hooks that would see the harness's calls."""
@@ -190,7 +317,7 @@ HARNESS_FACING_METHODS = frozenset(
         "parameters named_parameters buffers named_buffers modules named_modules children "
         "named_children state_dict _named_members _call_impl _wrapped_call_impl __call__ "
         "__getattr__ __getattribute__ __setattr__ __delattr__ __instancecheck__ "
-        "__subclasscheck__"
+        "__subclasscheck__ __eq__ __ne__ __hash__"
     ).split()
 )
 """Methods a bundle class may not override: the harness calls them on the model (counting,
@@ -207,9 +334,34 @@ TORCH_SAVES = frozenset({"torch.save", "torch.jit.save", "torch.export.save"})
 BLOCKED_QUALNAMES: dict[str, str] = {"dataclasses.replace": CTX_FORGE}
 """Specific objects whose every reference is blocked."""
 
+BLOCKED_PREFIXES: dict[str, str] = {
+    "torch.ops.aten.save": FS,
+    "torch.ops.aten.from_file": FS,
+    "torch.ops.debugprims": FS,
+}
+"""Operator paths (``torch.ops`` namespaces are not modules) that read or write files."""
+
+CHECKED_CALLS: dict[str, tuple[str, str]] = {
+    "torch.compile": (DYN, "its backend and options are checked at the call"),
+    "functools.update_wrapper": (DYN_ATTR, "its attribute names are checked at the call"),
+    "functools.wraps": (DYN_ATTR, "its attribute names are checked at the call"),
+    "dataclasses.field": (DYN, "only a class-body default may hold a Field"),
+}
+"""Callables whose arguments are checked where they are called: other references (aliases,
+``partial``) would hide those arguments. A bare decorator (``@torch.compile``) is fine."""
+
+HARMLESS_CONSUMERS = frozenset(
+    {"str", "repr", "print", "id", "hash", "callable", "format", "ascii", "isinstance", "issubclass"}
+)
+"""Builtins that may be handed a module or a harness class: they give back no object of it."""
+
+WRAPPER_CALLS = frozenset({"functools.update_wrapper", "functools.wraps"})
+DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+
 PRISM_CONTEXT = "prism_challenge.evaluator.interface.PrismContext"
 _FORMAT_FIELD = re.compile(r"\{([^{}]*)\}")
 _FIELD_ATTR = re.compile(r"[.\[]\s*([A-Za-z_]\w*)")
+_FIELD_DOT = re.compile(r"\.\s*([A-Za-z_]\w*)")
 _ARTIFACTS_WORD = re.compile(r"\bartifacts_dir\b")
 
 
@@ -293,11 +445,49 @@ def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
         rule = BLOCKED_MODULES.get(".".join(parts[:i]))
         if rule:
             return rule, f"module '{modname}' is blocked"
-    if parts[0] == "torch" and any(_private(p) for p in parts[1:]):
-        return TORCH_PRIVATE, f"private torch module '{modname}'"
+    hit = namespace_rule(modname)
+    if hit:
+        return hit
+    if any(p.startswith("_") and p not in SAFE_DUNDER_READS for p in parts[1:]):
+        if parts[0] == "torch" and any(_private(p) for p in parts[1:]):
+            return TORCH_PRIVATE, f"private torch module '{modname}'"
+        return PRIVATE, f"private module or name '{modname}'"
     if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES:
         return None
     return NOT_ALLOWED, f"module '{modname}' is not on the import allowlist"
+
+
+def namespace_rule(qualname: str) -> tuple[str, str] | None:
+    """The (rule, reason) of a name outside the allow-list of its module
+    (:data:`NAMESPACE_ALLOW`), or ``None``."""
+    if qualname in NAMESPACE_RULES:
+        return NAMESPACE_RULES[qualname]
+    for prefix, (rule, allowed) in NAMESPACE_ALLOW.items():
+        if qualname.startswith(prefix + "."):
+            name = qualname[len(prefix) + 1 :].split(".")[0]
+            if name not in allowed and not name.startswith("_"):
+                return rule, f"'{prefix}.{name}' is not on the {prefix} allow-list"
+    return None
+
+
+def origin_rule(qualname: str) -> tuple[str, str] | None:
+    """The (rule, reason) when the function or class ``qualname`` names on the trusted modules
+    was defined in a blocked module or is a blocked name of an allow-listed one (a re-export:
+    ``torch.utils.data.IterDataPipe`` is defined in ``torch.utils.data.datapipes``)."""
+    if qualname in TORCH_LOADS or qualname in TORCH_SAVES or qualname.startswith("<"):
+        return None
+    origin = live_origin(qualname)
+    if origin is None or _root(origin) == "builtins":  # builtins have rules of their own
+        return None
+    hit = namespace_rule(origin)
+    if hit:
+        return hit[0], f"'{qualname}' is {origin}: {hit[1]}"
+    parts = origin.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        rule = BLOCKED_MODULES.get(".".join(parts[:i]))
+        if rule:
+            return rule, f"'{qualname}' is defined in the blocked module '{'.'.join(parts[:i])}'"
+    return None
 
 
 def shadowed_modules(index: BundleIndex, root: Path) -> list[Finding]:
@@ -394,6 +584,7 @@ class Checker:
                 self.add(hit[0], node, f"import {alias.name}: {hit[1]}")
             elif alias.name.startswith("prism_challenge") and not alias.asname:
                 self.add(NOT_ALLOWED, node, f"import {alias.name}: use 'from {alias.name} import ...'")
+            self._class_member(node, alias.asname or alias.name.split(".")[0])
 
     def _on_ImportFrom(self, node: ast.ImportFrom) -> None:
         base = absolute_module(node, self.info)
@@ -402,6 +593,7 @@ class Checker:
             if alias.name == "*":
                 self.add(NOT_ALLOWED, node, f"from {base or '.'} import *: star imports hide names from the gate")
                 continue
+            self._class_member(node, alias.asname or alias.name)
             full = f"{base}.{alias.name}" if base else alias.name
             if not relative:
                 hit = module_rule(base, self.own)
@@ -412,7 +604,8 @@ class Checker:
                 if hit:
                     self.add(hit[0], node, f"from {base} import {alias.name}: {hit[1]}")
                     continue
-            self._attr_name_rules(node, alias.name, frozenset({base}))
+            own = relative or _root(base) in self.own
+            self._attr_name_rules(node, alias.name, frozenset({base}), own=own)
 
     def _from_name_rule(self, full: str, name: str) -> tuple[str, str] | None:
         parts = full.split(".")
@@ -425,6 +618,9 @@ class Checker:
         rule = BLOCKED_QUALNAMES.get(full)
         if rule:
             return rule, f"'{full}' is blocked"
+        hit = namespace_rule(full) or origin_rule(full)
+        if hit:
+            return hit
         live = live_name(full)
         if live is None:
             return None
@@ -443,40 +639,107 @@ class Checker:
             scope = self.info.scope_for(node)
             if scope.kind == "class":
                 self._class_member(node, node.id)
+            elif node.id == "__name__":
+                self.add(PATCH, node, "rebinds the module's '__name__'")
             return
         if not isinstance(node.ctx, ast.Load):
             return
         if node.id in BLOCKED_BUILTINS and self.is_builtin(node.id, node):
             self.add(BLOCKED_BUILTINS[node.id], node, f"builtin '{node.id}' is blocked")
             return
-        if node.id in ("getattr", "setattr", "delattr") and self.is_builtin(node.id, node):
-            if not self._is_call_func(node):
+        if node.id in ("getattr", "setattr", "delattr", "hasattr") and self.is_builtin(node.id, node):
+            if not self._is_call_func(node) and node.id != "hasattr":
                 self.add(DYN_ATTR, node, f"'{node.id}' passed around uncalled hides attribute names")
             return
-        self._reference(node, self.q(node))
+        if node.id == "type" and self.is_builtin(node.id, node):
+            if not (self._is_call_func(node) or self._type_test_use(node)):
+                self.add(PATCH, node, "builtin 'type' passed around uncalled (type(name, bases, ns) builds classes)")
+            return
+        qs = self.q(node)
+        self._module_value(node, qs)
+        self._class_value(node, qs)
+        self._reference(node, qs)
 
     def _class_member(self, node: ast.AST, name: str) -> None:
+        in_class = self.info.scope_for(node).kind == "class"
+        if not (in_class or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            return
         if name in PATCH_DEFS:
             self.add(PATCH_DEFS[name], node, f"a bundle class may not define '{name}'")
         if name == "artifacts_dir":
             self.add(CTX_FORGE, node, "defines an 'artifacts_dir' of its own")
+        if not in_class or name in PATCH_DEFS:
+            return
+        if name in HARNESS_FACING_METHODS:
+            self.add(PATCH, node, f"a bundle class may not override '{name}' (the harness relies on it)")
+        elif _dunder(name) and name not in PROTOCOL_DUNDERS:
+            self.add(PATCH, node, f"a bundle class may not define '{name}' (not a standard protocol method)")
 
     def _on_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self._class_member(node, node.name)
-        if self.info.scope_for(node).kind == "class" and node.name in HARNESS_FACING_METHODS:
-            self.add(PATCH, node, f"a bundle class may not override '{node.name}' (the harness relies on it)")
 
     def _on_ClassDef(self, node: ast.ClassDef) -> None:
         for base in node.bases:
-            if self.q(base) & TENSOR_CLASSES:
-                self.add(PATCH, node, "a torch.Tensor subclass would run its own methods inside the harness")
             if isinstance(base, ast.Starred):
                 self.add(DYN_ATTR, node, "class bases from a starred expression hide the base classes")
+                continue
+            qs = self.q(base)
+            if qs & TENSOR_CLASSES:
+                self.add(PATCH, node, "a torch.Tensor subclass would run its own methods inside the harness")
+                continue
+            if not self._static_base(base, 0):
+                self.add(DYN_ATTR, node, "a class base the gate cannot name (computed or passed in)")
+                continue
+            for q in sorted(qs):
+                what = _live_class_kind(q)
+                if what == "tensor":
+                    self.add(PATCH, node, f"'{q}' is a torch.Tensor subclass: its methods would run inside the harness")
+                elif what == "meta":
+                    self.add(PATCH, node, f"'{q}' is a metaclass: a subclass can intercept class and instance checks")
         for kw in node.keywords:
             if kw.arg == "metaclass":
                 self.add(PATCH, node, "a custom metaclass can intercept class and instance checks")
 
     _on_AsyncFunctionDef = _on_FunctionDef
+
+    def _static_base(self, expr: ast.AST, depth: int) -> bool:
+        """Whether a class base is a name the gate can follow: a bundle class, an imported name,
+        a builtin, an attribute path on one of those, a subscript of one (``Generic[T]``) or a
+        ``collections.namedtuple(...)`` call."""
+        if depth > 8:
+            return False
+        if isinstance(expr, ast.Name):
+            where = lookup(expr.id, self.info.scope_for(expr))
+            if where is None:
+                return True
+            bindings = where.bindings.get(expr.id, [])
+            if not bindings:
+                return False
+            for b in bindings:
+                if b[0] == "def" and isinstance(b[1], ast.ClassDef) or b[0] == "import":
+                    continue
+                if b[0] == "expr" and self._static_base(b[1], depth + 1):
+                    continue
+                return False
+            return True
+        if isinstance(expr, ast.Attribute):
+            return self._static_base(expr.value, depth + 1)
+        if isinstance(expr, ast.Subscript):
+            return self._static_base(expr.value, depth + 1)
+        if isinstance(expr, ast.Call):
+            return "collections.namedtuple" in self.q(expr.func)
+        return False
+
+    def _on_MatchClass(self, node: ast.MatchClass) -> None:
+        for attr in node.kwd_attrs:
+            if attr.startswith("_"):
+                self.add(PRIVATE, node, f"class pattern reads the private attribute '{attr}'")
+        if node.patterns:
+            qs = self.q(node.cls)
+            if not qs or not all(q[len("builtins.") :] in BUILTIN_MATCH_TYPES for q in qs if q.startswith("builtins.")) or any(
+                not q.startswith("builtins.") for q in qs
+            ):
+                self.add(PRIVATE, node, "positional class pattern reads the attributes named by __match_args__")
 
     def _on_keyword(self, node: ast.keyword) -> None:
         if node.arg == "artifacts_dir":
@@ -490,6 +753,9 @@ class Checker:
             for attr in _FIELD_ATTR.findall(fld):
                 if attr in INTROSPECTION_ATTRS:
                     self.add(INTRO, node, f"format field reaches '{attr}'")
+            for attr in _FIELD_DOT.findall(fld):
+                if attr.startswith("_") and attr not in SAFE_DUNDER_READS and attr not in INTROSPECTION_ATTRS:
+                    self.add(PRIVATE, node, f"format field reads the private attribute '{attr}'")
         if _ARTIFACTS_WORD.search(text) and not self._is_attr_literal(node):
             self.add(CTX_FORGE, node, "string names 'artifacts_dir' (building a context of one's own)")
 
@@ -506,29 +772,175 @@ class Checker:
     # -- attributes ------------------------------------------------------------------------
     def _on_Attribute(self, node: ast.Attribute) -> None:
         base_q = self.q(node.value)
-        self._attr_name_rules(node, node.attr, base_q)
-        if isinstance(node.ctx, (ast.Store, ast.Del)):
+        store = isinstance(node.ctx, (ast.Store, ast.Del))
+        self._attr_name_rules(node, node.attr, base_q, node.value, store=store)
+        if store:
             self._store(node, node.attr, base_q, isinstance(node.ctx, ast.Del))
             return
+        if node.attr in ("format", "format_map") and not self._literal_str(node.value):
+            self.add(DYN_ATTR, node, f"str.{node.attr} on a string that is not a literal can read any attribute")
         full = self.q(node)
         self._blocked_prefix(node, base_q, full)
+        self._module_value(node, full)
+        self._class_value(node, full)
         self._reference(node, full)
 
-    def _attr_name_rules(self, node: ast.AST, attr: str, base_q: frozenset[str]) -> None:
+    def _attr_name_rules(
+        self,
+        node: ast.AST,
+        attr: str,
+        base_q: frozenset[str],
+        base: ast.AST | None = None,
+        *,
+        store: bool = False,
+        own: bool = False,
+    ) -> None:
+        flagged = True
         if attr in INTROSPECTION_ATTRS:
             self.add(INTRO, node, f"attribute '{attr}' reaches the interpreter's internals")
         elif attr in BLOCKED_ATTRS:
             self.add(BLOCKED_ATTRS[attr], node, f"attribute '{attr}' is blocked")
         elif attr.startswith(HOOK_PREFIX):
             self.add(PATCH, node, f"'{attr}' installs a global hook over every module")
+        else:
+            flagged = False
         if not attr.startswith("_"):
             return
         if any(_root(b) in (CTX, "prism_challenge") for b in base_q):
             self.add(CTX_PRIVATE, node, f"private attribute '{attr}' of the context or harness")
-        elif not (attr.startswith("__") and attr.endswith("__")) and any(
-            _root(b) == "torch" for b in base_q
-        ):
+            return
+        if own or (base is not None and self._own_module(base, 0)):
+            return
+        if not store and attr in SAFE_DUNDER_READS:
+            return
+        if not store and attr == "__init__" and base is not None and self._is_super(base):
+            return
+        if _private(attr) and any(_root(b) == "torch" for b in base_q):
             self.add(TORCH_PRIVATE, node, f"private torch attribute '{attr}'")
+        elif not flagged:
+            self.add(PRIVATE, node, f"attribute '{attr}' starts with an underscore (private or interpreter hook; rename bundle attributes)")
+
+    def _own_module(self, expr: ast.AST, depth: int) -> bool:
+        """Whether ``expr`` is certainly one of the bundle's own modules (``helpers``,
+        ``layers.blocks``): names bound only by imports of bundle modules."""
+        if depth > 8:
+            return False
+        if isinstance(expr, ast.Attribute):
+            return self._own_module(expr.value, depth + 1) and all(
+                q in self.index.modules for q in self.q(expr)
+            )
+        if not isinstance(expr, ast.Name):
+            return False
+        where = lookup(expr.id, self.info.scope_for(expr))
+        if where is None:
+            return False
+        bindings = where.bindings.get(expr.id, [])
+        return bool(bindings) and all(
+            b[0] == "import" and (b[1] in self.index.modules or b[1] in self.own) for b in bindings
+        )
+
+    def _is_super(self, expr: ast.AST) -> bool:
+        """``super()`` or ``super(C, x)`` with ``C`` a bundle class: its ``__init__`` is the next
+        class's in the MRO of a bundle class (never the harness's)."""
+        if not (
+            isinstance(expr, ast.Call)
+            and isinstance(expr.func, ast.Name)
+            and expr.func.id == "super"
+            and self.is_builtin("super", expr.func)
+            and not expr.keywords
+        ):
+            return False
+        if not expr.args:
+            return True
+        if len(expr.args) != 2 or not isinstance(expr.args[0], ast.Name):
+            return False
+        where = lookup(expr.args[0].id, self.info.scope_for(expr))
+        bindings = where.bindings.get(expr.args[0].id, []) if where is not None else []
+        return bool(bindings) and all(b[0] == "def" and isinstance(b[1], ast.ClassDef) for b in bindings)
+
+    def _literal_str(self, expr: ast.AST) -> bool:
+        """Whether ``expr`` is a string literal, or a name bound only to string literals."""
+        if isinstance(expr, ast.Constant):
+            return isinstance(expr.value, str)
+        if not isinstance(expr, ast.Name):
+            return False
+        where = lookup(expr.id, self.info.scope_for(expr))
+        bindings = where.bindings.get(expr.id, []) if where is not None else []
+        for b in bindings:
+            if not (b[0] == "expr" and isinstance(b[1], ast.Constant) and isinstance(b[1].value, str)):
+                return False
+            parents = self.index.info_of(b[2]).parents
+            if not isinstance(parents.get(id(b[1])), (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+                return False  # fmt += "..." joins literals into a format string of its own
+        return bool(bindings)
+
+    def _module_value(self, node: ast.AST, qs: frozenset[str]) -> None:
+        """A module used as a value (passed, returned, stored, put in a container, annotated):
+        past a call the gate can no longer follow what is reached on it, so only ``mod.attr``,
+        ``getattr(mod, "lit")`` and plain aliases (``G = F``) may use a module."""
+        mods = sorted(q for q in qs if self._is_module(q))
+        if mods and not self._followed(node):
+            self.add(DYN_ATTR, node, f"module '{mods[0]}' used as a value hides what is reached on it")
+
+    def _class_value(self, node: ast.AST, qs: frozenset[str]) -> None:
+        """``torch.Tensor``, ``nn.Module``, ``nn.Parameter`` and ``type(x)`` (the classes whose
+        methods the harness calls) used as a value: past a call the gate could no longer see an
+        assignment into them (``next(iter([torch.Tensor])).gather = f``). Allowed: attribute
+        access, calls, type tests, annotations, class bases and plain aliases."""
+        hit = sorted(q for q in qs if q == TYPE or _harness_class(q))
+        if not hit or self._followed(node):
+            return
+        p = self.parent(node)
+        if self._type_use(node) or (isinstance(p, ast.ClassDef) and node in p.bases):
+            return
+        if isinstance(p, ast.BinOp) and isinstance(p.op, ast.BitOr):
+            return  # X | None (a types.UnionType: read-only, its __args__ out of reach)
+        if isinstance(p, ast.Tuple):
+            p = self.parent(p)
+        if isinstance(p, ast.Subscript) and p.value is not node:
+            gq = self.q(p.value)
+            if gq and all(
+                (_root(q) == "typing" and q != "typing.Annotated") or q.startswith("builtins.") for q in gq
+            ):
+                # Optional[torch.Tensor]: a typing alias forwards attribute stores to its origin
+                # (Union, list), never to its arguments; Annotated's origin is its argument
+                return
+        what = "type(...)" if hit[0] == TYPE else f"'{hit[0]}'"
+        self.add(PATCH, node, f"{what} used as a value: an assignment into it could no longer be seen")
+
+    def _followed(self, node: ast.AST) -> bool:
+        """Whether the gate keeps following the value of ``node``: ``node.attr``, ``node(...)``,
+        ``getattr(node, "lit")``, ``G = node``, a comparison."""
+        p = self.parent(node)
+        if isinstance(p, ast.Attribute) and p.value is node:
+            return True
+        if isinstance(p, ast.Call) and p.func is node:
+            return True
+        if (
+            isinstance(p, ast.Call)
+            and isinstance(p.func, ast.Name)
+            and p.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and self.is_builtin(p.func.id, p.func)
+            and len(p.args) >= 2
+            and p.args[0] is node
+            and isinstance(p.args[1], ast.Constant)
+            and isinstance(p.args[1].value, str)
+        ):
+            return True
+        if isinstance(p, (ast.Assign, ast.AnnAssign)) and p.value is node:
+            targets = p.targets if isinstance(p, ast.Assign) else [p.target]
+            return all(isinstance(t, ast.Name) for t in targets)
+        if isinstance(p, ast.Call) and node in p.args and isinstance(p.func, ast.Name):
+            if p.func.id in HARMLESS_CONSUMERS and self.is_builtin(p.func.id, p.func):
+                return True  # str(x), print(x): nothing comes back but text
+        return isinstance(p, (ast.Compare, ast.FormattedValue))
+
+    def _is_module(self, q: str) -> bool:
+        if q.startswith("<"):
+            return False
+        if _root(q) in self.own:
+            return q in self.index.modules or q in self.own
+        return _is_live_module(q)
 
     def _store(self, node: ast.AST, attr: str, base_q: frozenset[str], delete: bool) -> None:
         if attr == "artifacts_dir":
@@ -553,11 +965,11 @@ class Checker:
 
         if any(rule_of(b) for b in base_q):
             return  # already reported where the path first left the allowlist
-        for q in sorted(full):
-            hit = rule_of(q)
-            if hit:
-                self.add(hit, node, f"'{q}' is blocked")
-                return
+        hits = [(q, rule_of(q)) for q in sorted(full)]
+        hits = [h for h in hits if h[1]]
+        if hits:  # what the path really is (its live name) before its spelling (a private name)
+            q, rule = min(hits, key=lambda h: h[1] in (PRIVATE, TORCH_PRIVATE))
+            self.add(rule, node, f"'{q}' is blocked")
 
     def _reference(self, node: ast.AST, qs: frozenset[str]) -> None:
         """Rules about what an expression *is*: torch.load/save, blocked objects, ctx forging."""
@@ -574,13 +986,27 @@ class Checker:
                     self.add(TORCH_IO, node, f"'{q}' referenced without calling it directly")
                 else:
                     self._torch_io_call(call, q)
+            if q in CHECKED_CALLS and call is None and not self._is_decorator(node):
+                rule, what = CHECKED_CALLS[q]
+                self.add(rule, node, f"'{q}' referenced without calling it directly ({what})")
             rule = BLOCKED_QUALNAMES.get(q)
             if rule:
                 self.add(rule, node, f"'{q}' is blocked")
+            for prefix, rule in BLOCKED_PREFIXES.items():
+                if q == prefix or q.startswith(prefix + "."):
+                    self.add(rule, node, f"'{q}' is blocked")
+            if not q.startswith("<") and _root(q) not in self.own:
+                hit = namespace_rule(q) or origin_rule(q)
+                if hit:
+                    self.add(hit[0], node, hit[1])
             if q == PRISM_CONTEXT and not self._type_use(node):
                 self.add(CTX_FORGE, node, "PrismContext used other than as a type (forging a context)")
             if call is not None and q.startswith(CTX + ".__class__"):
                 self.add(CTX_FORGE, node, "calls the context's type (forging a context)")
+
+    def _is_decorator(self, node: ast.AST) -> bool:
+        p = self.parent(node)
+        return isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node in p.decorator_list
 
     def _type_use(self, node: ast.AST) -> bool:
         if id(node) in self.info.annotation_nodes:
@@ -596,6 +1022,9 @@ class Checker:
             and node is not p.args[0]
         )
 
+    def _type_test_use(self, node: ast.AST) -> bool:
+        return self._type_use(node) or isinstance(self.parent(node), ast.Compare)
+
     def _is_call_func(self, node: ast.AST) -> bool:
         p = self.parent(node)
         return isinstance(p, ast.Call) and p.func is node
@@ -607,26 +1036,65 @@ class Checker:
     # -- calls -----------------------------------------------------------------------------
     def _on_Call(self, node: ast.Call) -> None:
         func = node.func
+        fq = self.q(func)
         if isinstance(func, ast.Call) and any(q.startswith(CTX + ".__class__") for q in self.q(func)):
             self.add(CTX_FORGE, node, "calls the context's type (forging a context)")
-        if isinstance(func, ast.Name) and func.id in ("getattr", "setattr", "delattr"):
+        if isinstance(func, ast.Name) and func.id in ("getattr", "setattr", "delattr", "hasattr"):
             if self.is_builtin(func.id, func):
                 self._dynamic_attr(node, func.id)
+        starred = any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
+        if isinstance(func, ast.Name) and func.id == "type" and len(node.args) == 1 and self.is_builtin("type", func):
+            self._class_value(node, frozenset({TYPE}))
+        if "dataclasses.field" in fq:
+            p = self.parent(node)
+            if not (
+                isinstance(p, ast.AnnAssign) and p.value is node and self.info.scope_for(p).kind == "class"
+            ):
+                self.add(DYN, node, "dataclasses.field() other than as a class-body default keeps its .type in reach")
+        if any(_live_class_kind(q) == "meta" for q in fq) or TYPE in fq:
+            if len(node.args) == 3 or starred:
+                self.add(PATCH, node, "type(name, bases, namespace) builds a class the gate cannot see")
+        if "torch.compile" in fq or (isinstance(func, ast.Attribute) and func.attr == "compile"):
+            self._compile_call(node, starred)
+        if fq & WRAPPER_CALLS:
+            limit = 2 if "functools.update_wrapper" in fq else 1
+            if len(node.args) > limit or node.keywords or starred:
+                self.add(DYN_ATTR, node, "update_wrapper/wraps with attribute names of one's own (assigned/updated)")
+        if fq & DATALOADERS:
+            workers = _arg(node, 5, "num_workers")
+            if starred or (workers is not None and not (isinstance(workers, ast.Constant) and workers.value == 0)) or any(
+                k.arg in ("multiprocessing_context", "worker_init_fn") for k in node.keywords
+            ):
+                self.add(PROC, node, "DataLoader worker processes (num_workers > 0)")
+
+    def _compile_call(self, node: ast.Call, starred: bool) -> None:
+        if starred:
+            self.add(DYN, node, "torch.compile with *args/**kwargs may pass a backend or options of its own")
+        for kw in node.keywords:
+            if kw.arg == "options":
+                self.add(DYN, node, "torch.compile options override compiler paths and debug outputs")
+            elif kw.arg == "backend" and not (
+                isinstance(kw.value, ast.Constant) and kw.value.value in COMPILE_BACKENDS
+            ):
+                self.add(DYN, node, "torch.compile backend other than " + "/".join(sorted(COMPILE_BACKENDS)))
 
     def _dynamic_attr(self, node: ast.Call, which: str) -> None:
         if len(node.args) < 2 or not (
             isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
         ):
-            self.add(DYN_ATTR, node, f"{which}() with a name that is not a string literal")
+            if which != "hasattr":
+                self.add(DYN_ATTR, node, f"{which}() with a name that is not a string literal")
             return
         attr = node.args[1].value
         base_q = self.q(node.args[0])
-        self._attr_name_rules(node, attr, base_q)
+        self._attr_name_rules(node, attr, base_q, node.args[0], store=which in ("setattr", "delattr"))
         if which == "getattr":
             full = self.q(node)
             self._blocked_prefix(node, base_q, full)
+            self._module_value(node, full)
+            self._class_value(node, full)
             self._reference(node, full)
-        else:
+        elif which != "hasattr":
             self._store(node, attr, base_q, which == "delattr")
 
     def _torch_io_call(self, call: ast.Call, q: str) -> None:
@@ -753,6 +1221,42 @@ def _root(q: str) -> str:
 
 def _private(part: str) -> bool:
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+@lru_cache(maxsize=4096)
+def _is_live_module(q: str) -> bool:
+    return isinstance(live_object(q), ModuleType)
+
+
+@lru_cache(maxsize=4096)
+def _harness_class(q: str) -> bool:
+    """Whether ``q`` names ``torch.Tensor``, ``torch.nn.Module`` or ``torch.nn.Parameter``."""
+    if q.startswith("<") or _root(q) != "torch":
+        return False
+    torch = sys.modules.get("torch")
+    obj = live_object(q)
+    return torch is not None and isinstance(obj, type) and obj in (torch.Tensor, torch.nn.Module, torch.nn.Parameter)
+
+
+@lru_cache(maxsize=4096)
+def _live_class_kind(q: str) -> str | None:
+    """``"tensor"`` when ``q`` names a ``torch.Tensor`` subclass on the trusted modules,
+    ``"meta"`` when it names ``type`` or a metaclass, else ``None``."""
+    if q.startswith("<"):
+        return None
+    obj = live_object(q)
+    if not isinstance(obj, type):
+        return None
+    if issubclass(obj, type):
+        return "meta"
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(obj, torch.Tensor):
+        return "tensor"
+    return None
 
 
 def _describe(qs: frozenset[str]) -> str:
