@@ -147,3 +147,22 @@ def test_probe_does_not_consume_the_rng():
     torch.manual_seed(3)
     score_batch(Noisy(30), torch.randint(0, 30, (2, 8)), 30)
     assert torch.equal(after_probe, torch.rand(1))
+
+
+def test_a_model_that_mixes_rows_fails_the_single_row_probe():
+    class MixRows(Causal):
+        def forward(self, tokens):
+            out = super().forward(tokens)
+            return out + out.roll(-1, dims=0) * 0.5  # row r sees row r+1: the stream's future
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 30, (3, 10))
+    with pytest.raises(ContractError, match="not causal"):
+        score_batch(MixRows(30), tokens, 30, probe=(9, 1, 1))
+
+
+def test_single_row_probe_matches_the_batch_forward_of_a_causal_model():
+    torch.manual_seed(1)
+    model, tokens = Causal(50), torch.randint(0, 50, (8, 33))
+    for row in range(8):
+        assert score_batch(model, tokens, 50, probe=(16, 5, row)) == score_batch(model, tokens, 50)

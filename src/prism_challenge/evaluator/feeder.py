@@ -390,21 +390,21 @@ class Feeder:
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
         header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
-        probe = self._probe(st.step, int(tokens.shape[1]))
+        probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
         protocol.send(st.sock, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
 
-    def _probe(self, step: int, seq_len: int) -> list[int] | None:
-        """Whether to probe this batch for causality, and how: ``[k, shift]`` or ``None``.
+    def _probe(self, step: int, rows: int, seq_len: int) -> list[int] | None:
+        """Whether to probe this batch for causality, and how: ``[k, shift, row]`` or ``None``.
 
         The first ``PROBE_FIRST`` batches and a ``PROBE_RATE`` share of the others, drawn from
         the operating system's random source (unpredictable to the submission).
         """
         if seq_len < 2 or not (step < PROBE_FIRST or self._rng.random() < PROBE_RATE):
             return None
-        return [self._rng.randrange(1, seq_len), self._rng.randrange(1, self.vocab_size)]
+        return [self._rng.randrange(1, seq_len), self._rng.randrange(1, self.vocab_size), self._rng.randrange(rows)]
 
     def _piece(self, st: RankState, b: int, t: int) -> tuple[np.ndarray, int] | None:
         """This rank's slice of the global batch of its next step (caller holds the lock)."""

@@ -88,8 +88,9 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
         model: the scored module; its per-module train/eval modes are restored afterwards.
         tokens: ``[B, T]`` int64 on the model's device, ``T >= 2``.
         vocab_size: ``V``, the tokenizer's number of real tokens.
-        probe: ``(k, shift)``: also run the causality probe (:func:`check_causal`) with every
-            token at positions ``>= k`` replaced by ``(token + shift) mod V``.
+        probe: ``(k, shift[, row])``: also run the causality probe (:func:`check_causal`) on
+            row ``row`` (default 0) with every token at positions ``>= k`` replaced by
+            ``(token + shift) mod V``.
 
     Returns:
         Total nats (float64 sum of float32 per-target losses); may be ``inf``/``nan``.
@@ -120,29 +121,31 @@ CAUSAL_RTOL = 1e-4
 
 
 def check_causal(model: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, vocab_size: int,
-                 k: int, shift: int) -> None:
+                 k: int, shift: int, row: int = 0) -> None:
     """The causality probe: predictions at positions ``< k`` must not depend on tokens ``>= k``.
 
     A model whose logits at position ``t`` read token ``t + 1`` (a non-causal mask, a roll of
     the input, state carried from the batch) would be scored on text it has already seen. The
-    probe runs ``model`` (already in eval mode, under ``no_grad``) on a copy of ``tokens`` whose
-    positions ``>= k`` are shifted by ``shift`` modulo ``V`` and requires the first ``k``
-    positions' logits to equal ``logits[:, :k]`` within ``CAUSAL_RTOL`` of their largest
-    magnitude. The feeder picks which batches are probed, ``k`` and ``shift``, from a secret
+    probe runs ``model`` (already in eval mode, under ``no_grad``) on a copy of row ``row`` of
+    ``tokens`` alone, its positions ``>= k`` shifted by ``shift`` modulo ``V``, and requires the
+    first ``k`` positions' logits to equal ``logits[row, :k]`` within ``CAUSAL_RTOL`` of their
+    largest magnitude. Running the row alone costs ``1/B`` of a scoring forward and also catches
+    a model that mixes rows (consecutive rows are consecutive stretches of the stream, so a row
+    that sees the next one sees the future). The feeder picks which batches are probed, ``k`` and ``shift``, from a secret
     random source; the submission cannot tell a probed batch from another before it is scored.
 
     Raises:
         ContractError: naming ``k``, the largest difference and the rule.
     """
-    t = tokens.shape[1]
-    if not 1 <= k < t or not 1 <= shift < vocab_size:
-        raise ValueError(f"bad probe k={k}, shift={shift} for T={t}, V={vocab_size}")
-    changed = tokens.clone()
+    b, t = tokens.shape
+    if not 1 <= k < t or not 1 <= shift < vocab_size or not 0 <= row < b:
+        raise ValueError(f"bad probe k={k}, shift={shift}, row={row} for B={b}, T={t}, V={vocab_size}")
+    changed = tokens[row : row + 1].clone()
     changed[:, k:] = (changed[:, k:] + shift) % vocab_size
     devices = [tokens.device] if tokens.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the probe leaves the RNG streams as they were
-        other = check_logits(model(changed), tokens.shape[0], t, vocab_size)[:, :k, :vocab_size].float()
-    ref = logits[:, :k].float()
+        other = check_logits(model(changed), 1, t, vocab_size)[:, :k, :vocab_size].float()
+    ref = logits[row : row + 1, :k].float()
     diff = float((other - ref).abs().max())
     scale = max(1.0, float(ref.abs().max()))
     if not diff <= CAUSAL_RTOL * scale:  # also catches nan
