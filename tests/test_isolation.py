@@ -266,7 +266,10 @@ print(json.dumps(out))
     assert set(r["ls:/"]) <= allowed, set(r["ls:/"]) - allowed
     assert set(r["ls:/etc"]) <= set(isolation.ETC_FILES) | {f"python{sys.version_info[0]}.{sys.version_info[1]}"}
     assert r["ls:/var"] == ["tmp"] and r["ls:/var/tmp"] == [layout["base"].name]  # only the bound tree
-    assert r[f"ls:{REPO}"] == [SRC.name]  # the checkout: only the package's src dir
+    # the checkout: only the package's src dir (and the interpreter's venv, when it lives inside)
+    venv = Path(sys.prefix).resolve()
+    inside = [venv.relative_to(REPO).parts[0]] if venv.is_relative_to(REPO) else []
+    assert sorted(r[f"ls:{REPO}"]) == sorted([SRC.name, *inside])
     # the bundle's parent holds only what is bound there (bundle, socket dir, artifacts)
     assert set(r[f"ls:{layout['w'].parent}"]) == {"w", "bundle", "sock"}
     assert r[f"ls:{tmp_parent}"] == [layout["w"].parent.name]
@@ -537,6 +540,11 @@ def test_available_backend_honours_the_forced_backend(monkeypatch):
 
 
 def test_tmp_dir_is_bound_at_tmp(layout, backend, tmp_path):
+    if Path(sys.prefix).resolve().is_relative_to("/tmp"):
+        with pytest.raises(IsolationError, match="tmp_dir"):
+            sandbox_prefix("strict", writable=[layout["w"]], hidden=[], tmp_dir=tmp_path, socket_dir=None,
+                           bundle_dir=None, backend=backend)
+        return
     host_tmp = tmp_path / "private-tmp"
     host_tmp.mkdir()
     pre = sandbox_prefix("strict", writable=[layout["w"]], hidden=[], tmp_dir=host_tmp, socket_dir=None,

@@ -573,6 +573,11 @@ def sandbox_prefix(
     r = _default_readable() if readable is None else [norm(p) for p in readable]
     r = [p for p in r if os.path.exists(p)]  # nothing to bind for a path that does not exist
     t, s, bdir = norm(tmp_dir), norm(socket_dir), norm(bundle_dir)
+    if t is not None and any(_under(p, "/tmp") for p in r):
+        raise IsolationError(
+            f"tmp_dir {t}: a host directory at /tmp would cover the interpreter or package paths under "
+            "/tmp that the sandbox binds; pass tmp_dir=None (a private tmpfs) or install outside /tmp"
+        )
     for p in w + ([t] if t else []) + ([s] if s else []) + ([bdir] if bdir else []):
         if not os.path.isdir(p):
             raise IsolationError(f"{p}: not a directory (the sandbox binds it)")
