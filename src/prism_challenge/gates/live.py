@@ -130,17 +130,10 @@ def live_name(qualname: str) -> str | None:
     ``builtins.eval``).
     """
     parts = qualname.split(".")
-    if parts[0] in LIVE_ROOTS:
-        start = 1
-    elif qualname == LIVE_HARNESS or qualname.startswith(LIVE_HARNESS + "."):
-        start = len(LIVE_HARNESS.split("."))
-    else:
+    first = _start(qualname)
+    if first is None:
         return None
-    try:
-        obj: object = importlib.import_module(".".join(parts[:start]))
-    except ImportError:
-        return None
-    name = ".".join(parts[:start])
+    obj, name, start = first
     i = start
     while i < len(parts) and isinstance(obj, ModuleType):
         part = parts[i]
