@@ -30,6 +30,7 @@ import numpy as np
 
 from prism_challenge.data.stream import TokenChunk
 from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.instrument import charge
 from prism_challenge.evaluator.protocol import Kind, ProtocolError
 from prism_challenge.evaluator.statedict import StateError, rebuild
 
@@ -452,11 +453,11 @@ class Feeder:
         if pending is None or header.get("step") != pending["step"]:
             raise ProtocolError(f"rank {st.rank} sent a loss record for a batch it was not given")
         nats = header.get("nats")
-        finite = isinstance(nats, (int, float)) and not isinstance(nats, bool) and math.isfinite(nats)
-        if finite and nats < 0:
+        if not isinstance(nats, (int, float)) or isinstance(nats, bool):
+            nats = math.nan  # missing or not a number: charged as non-finite
+        if nats < 0:
             raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
-        if not finite:
-            nats = 2.0 * math.log(self.vocab_size) * pending["targets"]
+        nats, finite = charge(float(nats), pending["targets"], self.vocab_size)
         st.pending = None
         with self._lock:
             rec = self._records.setdefault(pending["step"], StepRecord(pending["step"], 0.0, 0, 0))
