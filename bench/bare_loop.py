@@ -38,11 +38,11 @@ class BareRuntime:
 
     def iter_train_batches(self, ctx, model, batch_size, seq_len, tokenizer):
         for step, rows in enumerate(self.batches):
+            if self.t_first is None:  # as the harness: from the loop's first request for a batch
+                self.t_first = time.time()
             tokens = torch.from_numpy(rows).to(ctx.device)
             score_batch(model, tokens, self.vocab_size)
             self.t_last = time.time()
-            if self.t_first is None:
-                self.t_first = self.t_last
             yield Batch(tokens, step)
 
 

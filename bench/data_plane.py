@@ -7,7 +7,7 @@ Prints:
 * cache build: MB of text per second tokenized into the token cache (gpt2 and bytes), with the
   tokenizer already loaded, for ``--workers`` threads (goal: >= 10 MB/s on 2 cores);
 * cache open: seconds to open and verify the cache (sha256 of every array);
-* cached read: tokens per second yielded by ``train_stream`` (int64 chunks), looping over the
+* cached read: tokens per second yielded by ``train_stream`` (the cache's compact chunks), looping over the
   cache for ``--seconds`` (goal: >= 50 M tokens/s).
 
 MB = 10**6 bytes. Nothing here is asserted; the figures are for the closing note of a change.
@@ -81,7 +81,7 @@ def main() -> int:
                     break
             dt = time.perf_counter() - t
             print(f"cached read    {name:5s} {tokens:,} tokens ({passes} passes, first incl. open+verify) in "
-                  f"{dt:6.2f} s = {tokens / dt / 1e6:8.1f} M tokens/s  (int64 chunks of {args.chunk_tokens:,})")
+                  f"{dt:6.2f} s = {tokens / dt / 1e6:8.1f} M tokens/s  (chunks of {args.chunk_tokens:,})")
     return 0
 
 

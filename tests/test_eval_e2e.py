@@ -3,12 +3,14 @@
 import hashlib
 import json
 import math
+import os
+import time
 
 import pytest
 import torch
 
 from prism_challenge.cli import main
-from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.run_manifest import MANIFEST_NAME
 
@@ -174,6 +176,47 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     m2 = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())
     assert m2["score"]["prequential_bpb"] == s["prequential_bpb"]
     assert m2["curve"] == m["curve"]
+    # torchrun was started before the gates and released once they passed
+    t = m["timing"]
+    assert t["gates_s"] > 0 and t["launch_to_release_s"] >= t["gates_s"]
+    assert t["launch_to_last_record_s"] == pytest.approx(t["launch_to_release_s"] + t["release_to_last_record_s"])
+
+
+def _processes_with(needle: bytes) -> list[int]:
+    """Pids whose environment holds ``needle`` (the runner's feeder socket path)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("isolation", ["strict", "none"])
+def test_gate_refusal_stops_the_early_launch_and_leaves_no_run_directory(tmp_path, isolation):
+    loop = """
+    import os
+
+    def train(ctx):
+        model = ctx.build_model()
+        for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+            pass
+    """
+    bundle = write_bundle(tmp_path / "b", UNIFORM_ARCH, loop)
+    with pytest.raises(EvalFailure) as err:
+        run(tmp_path, bundle, run_gates=True, isolation=isolation, token_budget=500)
+    assert err.value.stage == "gates" and "training.py:2:" in err.value.detail
+    assert not (tmp_path / "run").exists()
+    sock = str(tmp_path / "run" / "feeder.sock").encode()
+    for _ in range(50):  # the tree is killed before evaluate() raises; /proc may lag a moment
+        if not _processes_with(sock):
+            break
+        time.sleep(0.1)
+    assert _processes_with(sock) == []
 
 
 PEEK_ARCH = """

@@ -4,10 +4,13 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
+from prism_challenge.evaluator import feeder as feeder_mod
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.feeder import Feeder, RowAssembler
 from prism_challenge.evaluator.protocol import Kind
+from prism_challenge.evaluator.statedict import frames
 from prism_challenge.scoring import prequential_score
 
 from helpers import chunks_of
@@ -74,8 +77,13 @@ class FakeRunner:
 
     def next(self, b, t):
         protocol.send(self.sock, Kind.NEXT, {"batch_size": b, "seq_len": t})
+        return self.take()
+
+    def take(self):
+        """Read the frame already asked for (as the runner does after a record sent with NEXT)."""
         kind, header, payload = protocol.recv(self.sock, 1 << 24)
         if kind == Kind.END:
+            protocol.send(self.sock, Kind.EVENT, {"event": "end"})
             return None
         return np.frombuffer(payload, dtype=np.int64).reshape(header["rows"], header["seq_len"])
 
@@ -148,3 +156,116 @@ def test_two_ranks_split_one_global_batch(tmp_path):
     assert r0.next(3, 5) is None and r1.next(3, 5) is None
     res = f.finish()
     assert len(res.steps) == 1 and res.steps[0].nats == 3.0 and res.steps[0].targets == 24
+
+
+def wait_done(f, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if f.all_done():
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+def test_batch_asked_for_ahead_but_never_taken_is_neither_scored_nor_counted(tmp_path):
+    # the runner asks for batch k+1 in the same write as the record of batch k (as the real one does)
+    f = make_feeder(tmp_path)
+    r = FakeRunner(f)
+    b0 = r.next(2, 10)
+    assert b0.shape == (2, 10)
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 4.0}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+    # batch 1 now waits in the socket; the loop leaves instead of reading it
+    protocol.send(r.sock, Kind.EVENT, {"event": "left", "batches": 1})
+    protocol.send(r.sock, Kind.DONE, {})
+    assert wait_done(f)
+    res = f.finish()
+    assert [s.step for s in res.steps] == [0] and res.steps[0].targets == 18
+    assert res.tokens_consumed == 19  # 2 rows of 10 sharing one token; batch 1's tokens are not counted
+    assert res.stop_reason == "loop_stopped" and res.error is None
+
+
+def test_a_rank_that_never_reads_a_large_batch_cannot_block_its_final_reports(tmp_path):
+    # batch 2 MiB and state 4 MiB: far beyond a Unix socket's buffer in both directions
+    n = 600_000
+    ids = RNG.integers(0, 256, n)
+    f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(ids.tolist(), [1] * n, 100_000)), {"seed": 1},
+               vocab_size=257)
+    f.start()
+    r = FakeRunner(f)
+    b0 = r.next(64, 4096)
+    assert b0.shape == (64, 4096) and b0[0].tolist() == ids[:4096].tolist()
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 1.0}), (Kind.NEXT, {"batch_size": 64, "seq_len": 4096}))
+    threading.Event().wait(0.2)  # the feeder is now sending batch 1, which nobody reads
+
+    def final_reports():  # on a thread: with a feeder that stopped reading, these sends would block
+        protocol.send(r.sock, Kind.EVENT, {"event": "left", "batches": 1})
+        for header, payload in frames({"w": torch.arange(1 << 20, dtype=torch.float32)}):
+            protocol.send(r.sock, Kind.STATE, header, payload)
+        protocol.send(r.sock, Kind.DONE, {})
+
+    threading.Thread(target=final_reports, daemon=True).start()
+    assert wait_done(f), f"the feeder stopped reading while a batch was stuck in the socket: {f.result.error}"
+    res = f.finish()
+    assert res.error is None and len(res.steps) == 1
+    assert torch.equal(res.state["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def early(r, step, nats, b, t):
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": step, "nats": nats}), (Kind.NEXT, {"batch_size": b, "seq_len": t}))
+
+
+def test_two_ranks_that_stop_at_the_same_batch_are_in_step(tmp_path):
+    f = make_feeder(tmp_path, world_size=2)
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    r0.next(2, 5), r1.next(2, 5)
+    early(r0, 0, 1.0, 2, 5)
+    early(r1, 0, 1.0, 2, 5)  # both asked for batch 1 ahead; both loops stop after batch 0
+    for r in (r0, r1):
+        protocol.send(r.sock, Kind.EVENT, {"event": "left", "batches": 1})
+        protocol.send(r.sock, Kind.DONE, {})
+    assert wait_done(f)
+    res = f.finish()
+    assert res.error is None and len(res.steps) == 1 and res.tokens_consumed == 17
+
+
+def test_a_rank_that_takes_a_batch_its_peer_left_before_fails_the_run(tmp_path):
+    f = make_feeder(tmp_path, world_size=2)
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    r0.next(2, 5), r1.next(2, 5)
+    early(r0, 0, 1.0, 2, 5)
+    early(r1, 0, 1.0, 2, 5)
+    protocol.send(r1.sock, Kind.EVENT, {"event": "left", "batches": 1})
+    assert r0.take().shape == (2, 5)  # rank 0's loop takes batch 1 ...
+    early(r0, 1, 1.0, 2, 5)  # ... and scores it: out of step with rank 1
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert res.error["stage"] == "contract" and "rank 1 left ctx.iter_train_batches after 1 batch" in res.error["message"]
+
+
+def test_a_runner_that_records_batches_it_never_read_is_stopped(tmp_path, monkeypatch):
+    # the trusted side holds at most one unsent batch per rank: it does not queue the stream
+    monkeypatch.setattr(feeder_mod, "DRAIN_WAIT_S", 0.5)
+    n = 600_000
+    f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(RNG.integers(0, 256, n).tolist(), [1] * n, 100_000)),
+               {"seed": 1}, vocab_size=257)
+    f.start()
+    r = FakeRunner(f)
+    r.next(64, 4096)
+    early(r, 0, 1.0, 64, 4096)  # batch 1 (2 MiB) is now on its way, and never read
+    early(r, 1, 1.0, 64, 4096)  # a record of batch 1 all the same
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert "asked for batch 2 while batch 1 was still unread" in res.error["message"]
+
+
+def test_a_rank_stuck_in_its_last_step_is_caught_after_the_end_was_sent(tmp_path):
+    f = make_feeder(tmp_path, world_size=2, step_budget=1)
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    r0.next(2, 5), r1.next(2, 5)
+    early(r0, 0, 1.0, 2, 5)
+    early(r1, 0, 1.0, 2, 5)  # both are sent END in answer; only rank 0's loop reads it
+    assert r0.take() is None
+    protocol.send(r0.sock, Kind.DONE, {})
+    threading.Event().wait(0.4)
+    stalled = f.check_stall(0.2)
+    assert stalled is not None and stalled[2] == 1 and "rank 1 made no progress" in stalled[1]
+    f.finish()

@@ -48,7 +48,7 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--token-budget", type=_positive_int, help="stop after this many stream tokens")
     p.add_argument("--step-budget", type=_positive_int, help="stop after this many batches")
     p.add_argument("--wall-clock-budget", type=_positive_float, metavar="SECONDS",
-                   help="stop the stream after this many seconds from launch (graceful)")
+                   help="stop the stream this many seconds after the run starts (once the gates passed; graceful)")
     p.add_argument("--nproc", type=int, default=1, help="processes on this node, 1..8 (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

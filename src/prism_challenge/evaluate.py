@@ -1,7 +1,8 @@
 """``prism eval``: the whole scored run, in pipeline order.
 
-intake + static gates -> locked data (verified) -> feeder socket -> torchrun (runner per rank)
--> loss records -> prequential score -> run manifest.
+intake -> locked data (verified) -> feeder socket -> torchrun started (ranks wait) while the
+static gates run -> release (the ranks import the bundle) -> loss records -> prequential score
+-> held-out -> run manifest.
 
 The parent process is the trusted side: it alone reads data, counts bytes and writes the
 manifest. The runner (untrusted) only ever sees one batch at a time.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
-from prism_challenge.bundle import Bundle, BundleError, load_bundle
+from prism_challenge.bundle import Bundle, BundleError, load_bundle, open_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
@@ -52,6 +53,7 @@ DEFAULT_SEQ_LEN = 256
 DEFAULT_MAX_PARAMETERS = 150_000_000
 DEFAULT_THREADS = 2
 DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long to exit
+DRAIN_S = 5.0  # after torchrun exited, the feeder gets this long to read the ranks' last frames
 WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after this long
 LOG_TAIL_LINES = 12
 # The parent shares the cores with the ranks: it wakes rarely (an OMP thread of a rank that
@@ -79,8 +81,8 @@ class EvalOptions:
     """Settings of one scored run (the challenge's side: data, seed, order, budgets).
 
     Budgets: ``token_budget`` (stream tokens), ``step_budget`` (global batches),
-    ``wall_clock_budget`` (seconds from launch; graceful: the stream stops and what was scored
-    is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
+    ``wall_clock_budget`` (seconds from the gates' release; graceful: the stream stops and what
+    was scored is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
 
     Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
     read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
@@ -151,11 +153,14 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _new_run_dir(opts: EvalOptions, bundle: Bundle) -> Path:
+def _new_run_dir(opts: EvalOptions, bundle: Bundle) -> tuple[Path, bool]:
+    """Create the run directory; returns it and whether it was created here (not just emptied)."""
+    fresh = True
     if opts.out_dir:
         run_dir = Path(opts.out_dir)
         if run_dir.exists() and any(run_dir.iterdir()):
             raise EvalFailure("config", f"--out {run_dir}: directory exists and is not empty")
+        fresh = not run_dir.exists()
     else:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         run_dir = Path("prism-runs") / f"{stamp}-{bundle.root.name}-{bundle.sha256[:8]}"
@@ -164,7 +169,19 @@ def _new_run_dir(opts: EvalOptions, bundle: Bundle) -> Path:
             n += 1
             run_dir = run_dir.with_name(f"{stamp}-{bundle.root.name}-{bundle.sha256[:8]}-{n}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir.resolve()
+    return run_dir.resolve(), fresh
+
+
+def _remove_run_dir(run_dir: Path, fresh: bool) -> None:
+    """Undo :func:`_new_run_dir` for a run that never started (its bundle was refused)."""
+    if fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for child in run_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _socket_path(run_dir: Path) -> tuple[str, Path | None]:
@@ -190,8 +207,8 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
 
     Args:
         opts: the run settings.
-        on_start: called once the stream is about to start, with ``{"total": int | None,
-            "unit": "tokens" | "bytes"}`` for a progress display.
+        on_start: called once the gates passed and the run is released, with
+            ``{"total": int | None, "unit": "tokens" | "bytes"}`` for a progress display.
         on_record: called with each scored step and the running score.
 
     Returns:
@@ -199,7 +216,8 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
         when the run could not be scored. Failures before a run directory exists raise.
 
     Raises:
-        EvalFailure: the bundle, gates, data or configuration stop the run before launch.
+        EvalFailure: the bundle, gates, data or configuration stop the run before it starts
+            (a refused bundle's early-launched tree is killed and its run directory removed).
     """
     t_start = time.monotonic()
     try:
@@ -212,42 +230,59 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
         raise EvalFailure("config", f"--isolation {opts.isolation!r}: must be strict or none")
     device = _resolve_device(opts.device)
 
-    # 1. intake and static gates
-    findings: list[Any] = []
-    param_count_gate = None
-    cleanup: Callable[[], None] = lambda: None
-    t_gates = time.monotonic()
+    # 1. intake (a .zip is extracted once; the gates and the runner see that one copy)
     try:
-        if opts.run_gates:
-            from prism_challenge.gates import run_gates
-
-            report = run_gates(
-                opts.bundle,
-                max_parameters=opts.max_parameters,
-                nproc=opts.nproc,
-                nnodes=opts.nnodes,
-                seq_len=opts.seq_len,
-            )
-            findings = list(report.findings)
-            param_count_gate = report.param_count
-            if report.blocking:
-                report.cleanup()
-                raise EvalFailure(
-                    "gates",
-                    f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
-                    "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
-                )
-            bundle = report.bundle
-            cleanup = report.cleanup
-        else:
-            bundle = load_bundle(opts.bundle)
+        root, extracted = open_bundle(opts.bundle)
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
-    gates_s = time.monotonic() - t_gates
     try:
-        return _run_bundle(opts, bundle, device, findings, param_count_gate, gates_s, t_start, on_start, on_record)
+        try:
+            bundle = load_bundle(root)
+        except BundleError as exc:
+            if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
+                _gate(opts, root)
+            raise EvalFailure("intake", str(exc)) from None
+        return _run_bundle(opts, bundle, device, t_start, on_start, on_record)
     finally:
-        cleanup()
+        if extracted is not None:
+            shutil.rmtree(extracted, ignore_errors=True)
+
+
+@dataclass
+class _Gated:
+    """What the static gates said about a bundle that passed them."""
+
+    findings: list[Any]
+    parameter_count: int | None
+    seconds: float
+    bundle_sha256: str | None = None
+
+
+def _gate(opts: EvalOptions, root: Path) -> _Gated:
+    """Run the static gates over the bundle directory ``root``.
+
+    Raises:
+        EvalFailure: at stage ``gates`` with every blocking finding (``file:line:col: rule:
+            message``) in ``detail``, or at stage ``intake`` when the bundle cannot be read.
+    """
+    from prism_challenge.gates import run_gates
+
+    t0 = time.monotonic()
+    try:
+        report = run_gates(root, max_parameters=opts.max_parameters, nproc=opts.nproc, nnodes=opts.nnodes,
+                           seq_len=opts.seq_len)
+    except BundleError as exc:
+        raise EvalFailure("intake", str(exc)) from None
+    report.cleanup()  # a directory bundle: nothing was extracted
+    findings = list(report.findings)
+    if report.blocking:
+        raise EvalFailure(
+            "gates",
+            f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
+            "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
+        )
+    return _Gated(findings, report.param_count, time.monotonic() - t0,
+                  report.bundle.sha256 if report.bundle is not None else None)
 
 
 @dataclass
@@ -314,9 +349,15 @@ def _heldout_prefix(sandbox: _Sandbox, bundle: Bundle) -> list[str]:
                           bundle_dir=bundle.root, limits=limits, uid=sandbox.uid, backend=sandbox.backend)
 
 
-def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[Any], param_count_gate: int | None,
-                gates_s: float, t_start: float, on_start, on_record) -> EvalOutcome:
-    """Stages after the gates: data, sandbox, feeder, torchrun, scoring, held-out, manifest."""
+def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, on_start, on_record) -> EvalOutcome:
+    """Data, sandbox, feeder, torchrun (started while the gates run), scoring, held-out, manifest.
+
+    torchrun is launched before the static gates and its ranks connect and wait: the runner
+    learns which bundle to import only from the configuration the feeder sends once the gates
+    passed, so nothing submitted runs before then, while the interpreter start and ``import
+    torch`` of torchrun's agent and of every rank overlap the gates. A bundle the gates refuse
+    kills that tree and leaves no run directory behind.
+    """
     # 2. tokenizer and locked data (verified before anything is launched)
     try:
         tokenizer = reference_tokenizer(bundle.tokenizer)
@@ -331,7 +372,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         raise EvalFailure("data", str(exc)) from None
 
     # 3. run directory, feeder socket, sandbox, torchrun
-    run_dir = _new_run_dir(opts, bundle)
+    run_dir, fresh_dir = _new_run_dir(opts, bundle)
     artifacts = run_dir / "artifacts"
     artifacts.mkdir()
     sock_path, sock_tmp = _socket_path(run_dir)
@@ -367,14 +408,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         feeder.close()
         if sock_tmp is not None:
             shutil.rmtree(sock_tmp, ignore_errors=True)
+        _remove_run_dir(run_dir, fresh_dir)
         raise
-    if on_start is not None:
-        if opts.token_budget:
-            on_start({"total": opts.token_budget, "unit": "tokens"})
-        else:
-            on_start({"total": int(data.split("train").get("utf8_bytes") or 0) or None, "unit": "bytes"})
     log_path = run_dir / "logs" / "runner.log"
-    feeder.start()
+    feeder.start(release=False)
     t_launch = time.monotonic()
     proc = launch(
         opts.nproc,
@@ -385,9 +422,34 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
         wrap=sandbox.prefix,
         clean_env=sandbox.mode == "strict",
     )
+    gated = _Gated([], None, 0.0)
+    if opts.run_gates:
+        try:
+            gated = _gate(opts, bundle.root)
+            if gated.bundle_sha256 != bundle.sha256:
+                raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
+        except BaseException:
+            feeder.close()
+            proc.kill()
+            if sandbox.guard is not None:
+                sandbox.guard.kill()
+            if sock_tmp is not None:
+                shutil.rmtree(sock_tmp, ignore_errors=True)
+            _remove_run_dir(run_dir, fresh_dir)
+            raise
+    feeder.release()
+    t_release = feeder.released_at or time.monotonic()
+    findings, param_count_gate = gated.findings, gated.parameter_count
+    if on_start is not None:
+        if opts.token_budget:
+            on_start({"total": opts.token_budget, "unit": "tokens"})
+        else:
+            on_start({"total": int(data.split("train").get("utf8_bytes") or 0) or None, "unit": "bytes"})
     try:
-        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_launch)
+        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release)
     finally:
+        if proc.poll() is not None:  # torchrun ended by itself: read what its ranks wrote last
+            feeder.drain(DRAIN_S)
         feeder.stopping.set()  # connections the kill closes are not the runner's failure
         if proc.poll() is None:
             proc.kill()
@@ -428,9 +490,12 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
     manifest = _manifest(
         opts, bundle, data, tokenizer, device, result, score, failure, findings, param_count_gate, planted, state_path,
         timing={
-            "gates_s": gates_s,
+            "gates_s": gated.seconds,
+            "launch_to_release_s": t_release - t_launch,
             "launch_to_first_batch_s": (result.first_batch_at - t_launch) if result.first_batch_at else None,
             "launch_to_last_record_s": (result.last_record_at - t_launch) if result.last_record_at else None,
+            "release_to_first_batch_s": (result.first_batch_at - t_release) if result.first_batch_at else None,
+            "release_to_last_record_s": (result.last_record_at - t_release) if result.last_record_at else None,
             "after_stream_s": (t_end - result.last_record_at) if result.last_record_at else None,
             "heldout_s": t_done - t_end,
             "wall_s": t_done - t_start,
@@ -442,15 +507,18 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, findings: list[A
     return EvalOutcome(run_dir, manifest, score, failure, findings)
 
 
-def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_launch: float) -> str | None:
-    """Wait for the run to end; returns why the parent stopped it early (or ``None``)."""
+def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_release: float) -> str | None:
+    """Wait for the run to end; returns why the parent stopped it early (or ``None``).
+
+    ``t_release``: when the run started (the gates' release); the wall-clock budget counts from it.
+    """
     while proc.poll() is None:
         time.sleep(WATCH_INTERVAL_S)
         now = time.monotonic()
         if feeder.failed.is_set():
             time.sleep(0.5)  # let the runner finish writing its report, then stop the tree
             return "failure"
-        if opts.wall_clock_budget is not None and now - t_launch > opts.wall_clock_budget + WATCHDOG_GRACE_S:
+        if opts.wall_clock_budget is not None and now - t_release > opts.wall_clock_budget + WATCHDOG_GRACE_S:
             return "watchdog"
         stalled = feeder.check_stall(opts.rank_timeout)
         if stalled is not None:

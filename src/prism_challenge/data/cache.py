@@ -146,7 +146,9 @@ class TokenCache:
 
     def chunks(self, chunk_tokens: int = 1 << 20, start: int = 0, stop: int | None = None) -> Iterator[Any]:
         """The stream from token ``start`` to ``stop`` as ``TokenChunk`` s of ``chunk_tokens``
-        tokens (the last may be shorter), ids and byte lengths as int64 copies."""
+        tokens (the last may be shorter): in-memory copies in the cache's compact dtypes (ids
+        ``uint16``/``uint32``, byte lengths ``uint8``), so a consumer that cuts batches moves 3
+        bytes per token, not 16; it widens the rows it cuts to int64 itself."""
         from prism_challenge.data.stream import TokenChunk
 
         if chunk_tokens < 1:
@@ -154,7 +156,7 @@ class TokenCache:
         stop = self.n_tokens if stop is None else min(stop, self.n_tokens)
         for a in range(start, stop, chunk_tokens):
             b = min(a + chunk_tokens, stop)
-            yield TokenChunk(self.ids[a:b].astype(np.int64), self.nbytes[a:b].astype(np.int64))
+            yield TokenChunk(np.array(self.ids[a:b]), np.array(self.nbytes[a:b]))
 
 
 def _expected_meta(manifest: DataManifest, tokenizer: ReferenceTokenizer, split: str) -> dict[str, Any]:

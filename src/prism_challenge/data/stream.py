@@ -30,8 +30,10 @@ class TokenChunk:
     """A run of consecutive stream tokens.
 
     Attributes:
-        ids: ``[n]`` int64 token ids.
-        nbytes: ``[n]`` int64 UTF-8 byte length of each token (0 for end-of-text).
+        ids: ``[n]`` token ids, an integer dtype (int64 from the tokenizer, ``uint16``/``uint32``
+            from the token cache).
+        nbytes: ``[n]`` UTF-8 byte length of each token (0 for end-of-text), an integer dtype
+            (int64 from the tokenizer, ``uint8`` from the token cache).
     """
 
     ids: np.ndarray
@@ -83,7 +85,8 @@ def train_stream(
     The cache (under ``cache_root``, default :func:`~prism_challenge.data.builtin.default_cache_root`,
     in ``tokens/<manifest sha256>-<tokenizer name>-<tokenizer sha256[:12]>/``) is opened and
     verified, or built from the verified shards, before this returns. The stream is the one
-    :func:`iter_token_chunks` gives, cut into chunks of ``chunk_tokens`` tokens (int64 arrays).
+    :func:`iter_token_chunks` gives, cut into chunks of ``chunk_tokens`` tokens (the cache's
+    compact dtypes: see :meth:`~prism_challenge.data.cache.TokenCache.chunks`).
 
     Args:
         workers: tokenizer threads for a build.

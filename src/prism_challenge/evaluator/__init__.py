@@ -2,6 +2,7 @@
 
 Modules: ``interface`` (PrismContext, the submission's only API), ``seeding`` (forced init),
 ``instrument`` (the prequential loss of a batch), ``protocol`` (the socket framing),
-``feeder`` (trusted: builds batches, records losses), ``runner`` (untrusted: imports the
-bundle and calls ``train(ctx)``), ``launcher`` (trusted: starts torchrun).
+``feeder`` (trusted: builds batches, records losses), ``rank`` (torchrun's entry point) and
+``runner`` (untrusted: imports the bundle and calls ``train(ctx)``), ``launcher`` (trusted:
+starts torchrun).
 """

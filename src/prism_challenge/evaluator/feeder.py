@@ -6,6 +6,12 @@ rows of the one challenge-ordered stream, cut into contiguous per-rank slices; a
 ``k + 1`` only after the feeder holds its loss record for step ``k``. The feeder alone knows how
 many targets and UTF-8 bytes each batch covers: the runner reports nats and nothing else.
 
+The runner asks for batch ``k + 1`` in the same write as the record of batch ``k``, so the batch
+travels while the loop trains on ``k`` and waits in the socket, outside the submission's memory,
+until the loop's next ``next()`` reads it and scores it. A served batch counts only once its record
+arrives (``taken``): a loop that stops early leaves its last served batch unscored and uncounted.
+Each rank has a writer thread, so a rank that never reads its last batch cannot block the reader.
+
 Rows: ``seq_len`` tokens each; consecutive rows overlap by one token, so row ``i`` of the stream
 covers tokens ``[i*(T-1), i*(T-1)+T)`` and every token after the first is a target exactly once.
 When fewer than ``T`` tokens remain, the last ``n >= 2`` tokens form one final, shorter row
@@ -37,6 +43,7 @@ from prism_challenge.evaluator.statedict import StateError, rebuild
 LN2 = math.log(2.0)
 PROBE_FIRST = 2  # the first batches are always probed for causality
 PROBE_RATE = 1 / 16  # and this share of the rest, at random
+DRAIN_WAIT_S = 5.0  # a rank's request may find its previous batch still leaving the writer thread
 
 
 @dataclass
@@ -92,8 +99,9 @@ class RowAssembler:
 
     def __init__(self, chunks: Iterator[TokenChunk], token_budget: int | None = None):
         self._chunks = chunks
-        self._ids = np.zeros(0, dtype=np.int64)
-        self._nbytes = np.zeros(0, dtype=np.int64)
+        # the buffer keeps the chunks' own (compact) dtypes; only cut rows are widened to int64
+        self._ids: np.ndarray = np.zeros(0, dtype=np.uint8)
+        self._nbytes: np.ndarray = np.zeros(0, dtype=np.uint8)
         self._pos = 0  # buffer index of the next row's first token
         self._base = 0  # stream index of the buffer's first token
         self._budget = token_budget
@@ -116,8 +124,15 @@ class RowAssembler:
             if chunk is None:
                 break
             keep = self._pos
-            self._ids = np.concatenate([self._ids[keep:], np.asarray(chunk.ids, dtype=np.int64)])
-            self._nbytes = np.concatenate([self._nbytes[keep:], np.asarray(chunk.nbytes, dtype=np.int64)])
+            ids, nbytes = np.asarray(chunk.ids), np.asarray(chunk.nbytes)
+            if ids.dtype.kind not in "iu" or nbytes.dtype.kind not in "iu" or ids.shape != nbytes.shape:
+                raise TypeError(f"token chunk: ids {ids.dtype}{list(ids.shape)} and nbytes "
+                                f"{nbytes.dtype}{list(nbytes.shape)} must be integer arrays of one length")
+            if keep == len(self._ids):  # nothing left over: take the chunk as it is
+                self._ids, self._nbytes = ids, nbytes
+            else:
+                self._ids = np.concatenate([self._ids[keep:], ids])
+                self._nbytes = np.concatenate([self._nbytes[keep:], nbytes])
             self._base += keep
             self._pos = 0
             if limit is not None:
@@ -144,11 +159,16 @@ class RowAssembler:
             full, seq_len, stride = 1, avail, avail - 1
         start = self._pos
         span = self._ids[start : start + full * stride + 1]
-        tokens = np.lib.stride_tricks.sliding_window_view(span, seq_len)[::stride].copy()
-        tb = self._nbytes[start + 1 : start + 1 + full * stride].reshape(full, stride).sum(axis=1)
+        tokens = np.lib.stride_tricks.sliding_window_view(span, seq_len)[::stride].astype(np.int64)
+        tb = self._nbytes[start + 1 : start + 1 + full * stride].reshape(full, stride).sum(axis=1, dtype=np.int64)
         self._pos += full * stride
         self._served_any = True
         return Cut(tokens, tb)
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
 
 
 @dataclass
@@ -159,9 +179,15 @@ class RankState:
     sock: socket.socket
     pid: int = 0
     step: int = 0  # next step to serve
+    taken: int = 0  # batches the loop took: served, scored and recorded
     pending: dict[str, int] | None = None  # served, not yet recorded: {"step","targets","bytes"}
+    outbox: queue.Queue = field(default_factory=queue.Queue)  # bytes the writer thread sends in order
+    backlog: bool = False  # the writer thread has bytes to send: later frames queue behind them
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    drained: threading.Event = field(default_factory=lambda: _set(threading.Event()))  # outbox empty
     done: dict[str, Any] | None = None
-    ended: bool = False
+    end_sent: bool = False  # the stream's end was sent (in answer to a request made ahead)
+    ended: bool = False  # the loop asked past the last batch: the runner read the end
     last_active: float = field(default_factory=time.monotonic)
     left: bool = False  # the loop dropped the stream before its end
     state_bytes: int = 0
@@ -213,7 +239,7 @@ class Feeder:
         world_size: number of ranks expected.
         vocab_size: ``V``, for the non-finite charge of ``2 * ln V`` nats per target.
         token_budget, step_budget: stream limits (``None``: none).
-        wall_clock_budget: seconds after ``start()`` after which no new step is served.
+        wall_clock_budget: seconds after :meth:`release` after which no new step is served.
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
     """
@@ -246,14 +272,18 @@ class Feeder:
         self._lock = threading.Lock()
         self._cuts: dict[int, list[Cut | None]] = {}
         self._fetched: dict[int, int] = {}
+        self._consumed: dict[int, int] = {}  # step -> stream tokens handed out once it is cut
         self._records: dict[int, StepRecord] = {}
         self._ranks: dict[int, RankState] = {}
         self._threads: list[threading.Thread] = []
+        self._readers: list[threading.Thread] = []  # one per connected rank
         self._t0 = time.monotonic()
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
         self._rng = random.SystemRandom()
         self.stopping = threading.Event()  # set by the parent before it kills the tree
+        self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
+        self.released_at: float | None = None
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if os.path.exists(socket_path):
             os.unlink(socket_path)
@@ -261,16 +291,32 @@ class Feeder:
         self._server.listen(world_size + 4)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start accepting runners (in a background thread); the wall clock starts now."""
-        self._t0 = time.monotonic()
+    def start(self, release: bool = True) -> None:
+        """Start accepting runners (in a background thread).
+
+        With ``release=False`` runners connect and wait without their configuration until
+        :meth:`release`: torchrun and the ranks can start (interpreter, ``import torch``) while the
+        parent still runs the static gates, and nothing of the bundle is imported before the
+        gates pass, because the configuration names the bundle.
+        """
         t = threading.Thread(target=self._accept_loop, name="prism-feeder-accept", daemon=True)
         t.start()
         self._threads.append(t)
+        if release:
+            self.release()
+
+    def release(self) -> None:
+        """Send every connected and future runner its configuration; the wall clock starts now."""
+        self._t0 = self.released_at = time.monotonic()
+        self.released.set()
 
     def close(self) -> None:
-        """Stop serving: close every connection and the listening socket."""
+        """Stop serving: close every connection and the listening socket (runners still waiting
+        for their configuration get none)."""
+        self.stopping.set()
+        self.released.set()
         for st in list(self._ranks.values()):
+            st.outbox.put(None)
             try:
                 st.sock.close()
             except OSError:
@@ -307,6 +353,7 @@ class Feeder:
             t = threading.Thread(target=self._serve, args=(conn,), name="prism-feeder-rank", daemon=True)
             t.start()
             self._threads.append(t)
+            self._readers.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
         st: RankState | None = None
@@ -324,7 +371,16 @@ class Feeder:
                     conn.close()
                     return
                 st = self._ranks[rank] = RankState(rank, conn, int(hello.get("pid") or 0))
-            protocol.send(conn, Kind.CONFIG, self.config)
+            writer = threading.Thread(target=self._write, args=(st,), name="prism-feeder-writer", daemon=True)
+            writer.start()
+            self._threads.append(writer)
+            self.released.wait()
+            if self.stopping.is_set():  # refused before the run started (close() may have missed us)
+                st.outbox.put(None)
+                conn.close()
+                return
+            st.last_active = time.monotonic()
+            self._send(st, Kind.CONFIG, self.config)
             while True:
                 limit = protocol.MAX_STATE_TENSOR_BYTES if st.rank == 0 else 0
                 kind, header, payload = protocol.recv(conn, max_payload=limit)
@@ -341,7 +397,10 @@ class Feeder:
                         rank=st.rank,
                     )
                 elif kind == Kind.EVENT:
-                    if header.get("event") == "left" and not st.ended:
+                    event = header.get("event")
+                    if event == "end" and st.end_sent:
+                        st.ended = True
+                    elif event == "left" and not st.ended:
                         st.left = True
                         if self.world_size > 1:
                             self._check_lockstep()
@@ -364,11 +423,55 @@ class Feeder:
             except OSError:
                 pass
 
+    def _send(self, st: RankState, kind: Kind, header: dict[str, Any], payload: memoryview | bytes = b"") -> None:
+        """Send a frame to a rank without ever blocking this (reading) thread.
+
+        The frame goes out directly when the socket takes it whole; what it does not take is
+        queued for the rank's writer thread (a rank that never reads its last batch must not
+        stop the feeder from reading that rank's final reports).
+        """
+        head = protocol.encode(kind, header, len(payload))
+        with st.send_lock:
+            if not st.backlog:
+                try:
+                    sent = st.sock.sendmsg([head, payload], (), socket.MSG_DONTWAIT) if len(payload) else (
+                        st.sock.send(head, socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    return
+                if sent == len(head) + len(payload):
+                    return
+                st.backlog = True
+                st.drained.clear()
+            else:
+                sent = 0
+            st.outbox.put((bytes(head) + bytes(payload))[sent:])
+
+    def _write(self, st: RankState) -> None:
+        """The rank's writer thread: sends the queued bytes in order until ``None`` or a closed socket."""
+        while (data := st.outbox.get()) is not None:
+            try:
+                st.sock.sendall(data)
+            except OSError:
+                return
+            with st.send_lock:
+                if st.outbox.empty():
+                    st.backlog = False
+                    st.drained.set()
+
     def _on_next(self, st: RankState, header: dict[str, Any]) -> None:
         if st.pending is not None:
             raise ProtocolError(
                 f"rank {st.rank} asked for batch {st.step} before reporting the loss of batch {st.pending['step']}"
             )
+        if st.end_sent:
+            raise ProtocolError(f"rank {st.rank} asked for a batch after the end of the stream")
+        # one batch in flight per rank: a record of batch k proves batch k was read, so the
+        # previous batch has left (or is just leaving) the writer thread; a rank that records
+        # batches it never read would make the trusted side queue the stream in memory
+        if not st.drained.wait(DRAIN_WAIT_S):
+            raise ProtocolError(f"rank {st.rank} asked for batch {st.step} while batch {st.step - 1} was still unread")
         try:
             b, t = int(header["batch_size"]), int(header["seq_len"])
         except (KeyError, TypeError, ValueError):
@@ -378,13 +481,11 @@ class Feeder:
                 self._shape = self.result.shape = (b, t)
             elif self._shape != (b, t):
                 raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
-        if self.world_size > 1 and self._check_lockstep(st):
-            return
         with self._lock:
             piece = self._piece(st, b, t)
         if piece is None:
-            st.ended = True
-            protocol.send(st.sock, Kind.END, {"reason": self.result.stop_reason})
+            st.end_sent = True
+            self._send(st, Kind.END, {"reason": self.result.stop_reason})
             return
         tokens, nbytes = piece
         st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
@@ -394,7 +495,7 @@ class Feeder:
         probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
-        protocol.send(st.sock, Kind.BATCH, header, memoryview(tokens).cast("B"))
+        self._send(st, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
 
     def _probe(self, step: int, rows: int, seq_len: int) -> list[int] | None:
@@ -445,7 +546,7 @@ class Feeder:
         if cut is None or cut.tokens.shape[0] < n:
             r.stop_reason = "token_budget" if self.assembler.budget_hit else "stream_exhausted"
             return None
-        r.tokens_consumed = self.assembler.tokens_consumed
+        self._consumed[step] = self.assembler.tokens_consumed
         return cut
 
     def _on_record(self, st: RankState, header: dict[str, Any]) -> None:
@@ -459,6 +560,7 @@ class Feeder:
             raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
         nats, finite = charge(float(nats), pending["targets"], self.vocab_size)
         st.pending = None
+        st.taken += 1
         with self._lock:
             rec = self._records.setdefault(pending["step"], StepRecord(pending["step"], 0.0, 0, 0))
             rec.nats += float(nats)
@@ -471,9 +573,12 @@ class Feeder:
             self.result.last_record_at = time.monotonic()
             if rec.ranks_reported == self.world_size:
                 self.result.steps.append(rec)
+                self.result.tokens_consumed = self._consumed.pop(rec.step)
                 del self._records[rec.step]
                 if self.on_record is not None:
                     self.on_record(rec)
+        if self.world_size > 1:
+            self._check_lockstep()
 
     def _on_state(self, st: RankState, header: dict[str, Any], payload: bytearray) -> None:
         st.state_bytes += len(payload)
@@ -497,19 +602,19 @@ class Feeder:
             self._check_lockstep()
             self._check_states()
 
-    def _check_lockstep(self, asking: RankState | None = None) -> bool:
+    def _check_lockstep(self) -> bool:
         """Fail when a rank left the stream while another rank went on (world size > 1).
 
         A rank that returned from ``train`` without reaching the end of the stream (``left``)
-        after ``n`` batches is out of step with any rank that took, or now asks for, batch ``n``.
+        after taking ``n`` batches is out of step with any rank that took batch ``n``.
         Returns True when the run was failed.
         """
         with self._lock:
-            left = {r: s.step for r, s in self._ranks.items() if (s.left or s.done is not None) and not s.ended}
+            left = {r: s.taken for r, s in self._ranks.items() if (s.left or s.done is not None) and not s.ended}
             if not left:
                 return False
             r, n = min(left.items(), key=lambda kv: kv[1])
-            ahead = sorted(q for q, s in self._ranks.items() if s.step > n or (s is asking and s.step >= n))
+            ahead = sorted(q for q, s in self._ranks.items() if s.taken > n)
         if not ahead:
             return False
         self.fail(
@@ -556,15 +661,15 @@ class Feeder:
             quiet = now - st.last_active
             leavers = [o for o in ranks if (o.left or o.done is not None) and not o.ended]
             if leavers:
-                o = min(leavers, key=lambda x: x.step)
+                o = min(leavers, key=lambda x: x.taken)
                 return (
                     "contract",
-                    f"rank {o.rank} left ctx.iter_train_batches after {o.step} batch(es) while rank {st.rank} "
+                    f"rank {o.rank} left ctx.iter_train_batches after {o.taken} batch(es) while rank {st.rank} "
                     f"was still iterating (silent for {quiet:.0f} s); at world size {self.world_size} every rank "
                     f"must consume the same number of batches",
                     o.rank,
                 )
-            if any(o is not st and (o.step > st.step or o.done is not None) for o in ranks):
+            if any(o is not st and (o.taken > st.taken or o.done is not None) for o in ranks):
                 return (
                     "consistency",
                     f"rank {st.rank} made no progress for {quiet:.0f} s while other ranks were ahead (hung or out of step)",
@@ -572,11 +677,19 @@ class Feeder:
                 )
         return None
 
+    def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for every rank's reader to reach that rank's last frame.
+
+        Call it once the ranks' processes are gone: frames they wrote before exiting (their
+        DONE report, an ERROR) may still sit unread in the sockets, and :meth:`finish` closes them.
+        """
+        deadline = time.monotonic() + timeout
+        for t in list(self._readers):
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def finish(self) -> FeederResult:
         """Close and return the result; steps some ranks did not report are dropped."""
         self.close()
         with self._lock:
             self.result.steps.sort(key=lambda s: s.step)
-            if self.result.steps and not self.result.tokens_consumed:
-                self.result.tokens_consumed = self.assembler.tokens_consumed
             return self.result

@@ -1,6 +1,6 @@
 """The launcher: starts the runner under the real ``torchrun`` on one node.
 
-``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.runner``
+``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.rank``
 runs as a child process in its own process group (so the whole tree can be stopped), with
 stdout and stderr going to the run's log file. The environment fixes the thread count and
 cuBLAS's deterministic workspace before anything in the child starts.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_NPROC = 8
-RUNNER_MODULE = "prism_challenge.evaluator.runner"
+RUNNER_MODULE = "prism_challenge.evaluator.rank"  # ties the rank to the agent, then runs the runner
 
 
 class LaunchError(ValueError):

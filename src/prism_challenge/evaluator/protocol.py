@@ -24,11 +24,11 @@ class Kind(IntEnum):
 
     HELLO = 1  # R->F {rank, local_rank, world_size, pid}
     CONFIG = 2  # F->R the run configuration (seed, tokenizer, device, budgets, bundle)
-    NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch
+    NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch (sent with the previous RECORD)
     BATCH = 4  # F->R {step, rows, seq_len} + int64 token ids [rows, seq_len]
     END = 5  # F->R {reason}: the stream is over for this rank
     RECORD = 6  # R->F {step, nats}: the loss of the batch just scored
-    EVENT = 7  # R->F {event, ...}: model built (parameter count), ...
+    EVENT = 7  # R->F {event, batches}: "end" (the loop read END), "left" (it dropped the stream)
     ERROR = 8  # R->F {stage, message, traceback}
     DONE = 9  # R->F {peak_rss_bytes, state_sha256, ...}: train(ctx) returned
     STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
@@ -38,12 +38,22 @@ class ProtocolError(RuntimeError):
     """A malformed or oversized frame, or the peer closed the connection."""
 
 
+def encode(kind: Kind, header: dict[str, Any] | None = None, payload_length: int = 0) -> bytes:
+    """A frame's prefix and header; its ``payload_length`` bytes of payload follow on the wire."""
+    head = json.dumps(header or {}, separators=(",", ":")).encode()
+    return _PREFIX.pack(int(kind), len(head), payload_length) + head
+
+
 def send(sock: socket.socket, kind: Kind, header: dict[str, Any] | None = None, payload: bytes | memoryview = b"") -> None:
     """Send one frame (blocking)."""
-    head = json.dumps(header or {}, separators=(",", ":")).encode()
-    sock.sendall(_PREFIX.pack(int(kind), len(head), len(payload)) + head)
+    sock.sendall(encode(kind, header, len(payload)))
     if len(payload):
         sock.sendall(payload)
+
+
+def send_small(sock: socket.socket, *frames: tuple[Kind, dict[str, Any]]) -> None:
+    """Send several payload-less frames in one write (one wake-up of the peer)."""
+    sock.sendall(b"".join(encode(kind, header) for kind, header in frames))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -1,15 +1,17 @@
 """The runner: the untrusted side of a scored run, one process per rank under torchrun.
 
-``python -m prism_challenge.evaluator.runner`` (launched by torchrun) connects to the trusted
+Each rank (``python -m prism_challenge.evaluator.rank`` under torchrun) connects to the trusted
 feeder over the Unix socket named by ``PRISM_FEEDER_SOCKET``, receives the run configuration,
 forces determinism BEFORE any submitted module is imported, imports the bundle's architecture and
 training modules, and calls ``train(ctx)``. The bundle's ``build_model`` is replaced by a wrapper
 that re-applies the forced seeds right before it runs, however the loop reaches it
 (``ctx.build_model()`` or ``from architecture import build_model``).
 
-Batches come one at a time: the runner asks the feeder for the next batch, scores it with the
-instrument, sends the loss record at once, and only then yields the batch to the loop. The next
-batch does not exist in this process before the current batch's record has left it.
+Batches come one at a time: the runner reads the next batch from the feeder's socket, scores it
+with the instrument, sends the loss record at once (with the request for the following batch,
+which the feeder releases only because that record arrived), and only then yields the batch to
+the loop. The following batch waits in the socket while the loop trains; it does not exist in
+this process before the loop asks for it, after the current batch's record has left.
 """
 
 from __future__ import annotations
@@ -135,10 +137,13 @@ class Runtime:
     def _stream(self, model: nn.Module, batch_size: int, seq_len: int) -> Iterator[Batch]:
         step = 0
         request = {"batch_size": batch_size, "seq_len": seq_len}
+        protocol.send(self.sock, Kind.NEXT, request)
         while True:
-            protocol.send(self.sock, Kind.NEXT, request)
+            # batch `step` was asked for with the previous record: it waits in the socket (not in
+            # this process) until the loop asks for it here
             kind, header, payload = protocol.recv(self.sock, max_payload=8 * MAX_BATCH_TOKENS)
-            if kind == Kind.END:
+            if kind == Kind.END:  # the loop asked past the last batch: tell the feeder it is leaving
+                protocol.send(self.sock, Kind.EVENT, {"event": "end", "batches": step})
                 return
             if kind != Kind.BATCH:
                 raise protocol.ProtocolError(f"expected BATCH or END from the feeder, got {kind.name}")
@@ -151,7 +156,11 @@ class Runtime:
                 nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
-            protocol.send(self.sock, Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
+            protocol.send_small(
+                self.sock,
+                (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
+                (Kind.NEXT, request),
+            )
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -258,26 +267,12 @@ def _device_name(device: str) -> str:
     return f"cpu ({platform.machine()})"
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies.
-
-    torchrun starts each rank in a session of its own, so killing the launcher's process group
-    does not reach the ranks; without this a rank blocked in a collective would outlive the run.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(137)
-
-
 def main() -> None:
-    """Entry point under torchrun: read the rank layout and the socket from the environment."""
-    _die_with_parent()
+    """One rank: read the rank layout and the socket from the environment, connect, run.
+
+    Started by :mod:`prism_challenge.evaluator.rank` (torchrun's entry point), which first ties
+    this process's life to torchrun's agent.
+    """
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -304,6 +299,3 @@ def main() -> None:
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: submitted atexit hooks and threads do not run on
 
-
-if __name__ == "__main__":
-    main()
