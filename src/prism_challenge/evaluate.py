@@ -236,13 +236,17 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     try:
+        # 2. the static gates but the parameter cap: fast, in-process; a refusal costs nothing more
+        gated = _Gated([], None, 0.0)
+        if opts.run_gates:
+            gated = _static_gates(opts, root)
         try:
             bundle = load_bundle(root)
         except BundleError as exc:
-            if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
-                _gate(opts, root)
             raise EvalFailure("intake", str(exc)) from None
-        return _run_bundle(opts, bundle, device, t_start, on_start, on_record)
+        if opts.run_gates and gated.bundle_sha256 != bundle.sha256:
+            raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
+        return _run_bundle(opts, bundle, device, gated, t_start, on_start, on_record)
     finally:
         if extracted is not None:
             shutil.rmtree(extracted, ignore_errors=True)
@@ -258,31 +262,52 @@ class _Gated:
     bundle_sha256: str | None = None
 
 
-def _gate(opts: EvalOptions, root: Path) -> _Gated:
-    """Run the static gates over the bundle directory ``root``.
+def _refuse(findings: list[Any]) -> EvalFailure:
+    """The gates' failure: every blocking finding (``file:line:col: rule: message``) in ``detail``."""
+    return EvalFailure(
+        "gates",
+        f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
+        "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
+    )
+
+
+def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
+    """Every static gate over the bundle directory ``root`` except the parameter cap (which
+    runs ``build_model`` in a child, see :func:`_parameter_gate`).
 
     Raises:
-        EvalFailure: at stage ``gates`` with every blocking finding (``file:line:col: rule:
-            message``) in ``detail``, or at stage ``intake`` when the bundle cannot be read.
+        EvalFailure: at stage ``gates`` (blocking findings) or ``intake`` (unreadable bundle).
     """
     from prism_challenge.gates import run_gates
 
     t0 = time.monotonic()
     try:
         report = run_gates(root, max_parameters=opts.max_parameters, nproc=opts.nproc, nnodes=opts.nnodes,
-                           seq_len=opts.seq_len)
+                           seq_len=opts.seq_len, check_params=False)
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     report.cleanup()  # a directory bundle: nothing was extracted
-    findings = list(report.findings)
     if report.blocking:
-        raise EvalFailure(
-            "gates",
-            f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
-            "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
-        )
-    return _Gated(findings, report.param_count, time.monotonic() - t0,
+        raise _refuse(list(report.findings))
+    return _Gated(list(report.findings), None, time.monotonic() - t0,
                   report.bundle.sha256 if report.bundle is not None else None)
+
+
+def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated) -> _Gated:
+    """The parameter cap (the last gate) added to ``gated``.
+
+    Raises:
+        EvalFailure: at stage ``gates`` when the cap is exceeded or the model cannot be built.
+    """
+    from prism_challenge.gates import parameter_gate
+
+    t0 = time.monotonic()
+    found, count = parameter_gate(bundle, vocab_size=vocab_size, seq_len=opts.seq_len,
+                                  max_parameters=opts.max_parameters)
+    findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
+    if any(f.blocking for f in found):
+        raise _refuse(findings)
+    return _Gated(findings, count, gated.seconds + time.monotonic() - t0, gated.bundle_sha256)
 
 
 @dataclass
@@ -349,14 +374,17 @@ def _heldout_prefix(sandbox: _Sandbox, bundle: Bundle) -> list[str]:
                           bundle_dir=bundle.root, limits=limits, uid=sandbox.uid, backend=sandbox.backend)
 
 
-def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, on_start, on_record) -> EvalOutcome:
-    """Data, sandbox, feeder, torchrun (started while the gates run), scoring, held-out, manifest.
+def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, gated: _Gated, t_start: float, on_start,
+                on_record) -> EvalOutcome:
+    """Data, sandbox, feeder, torchrun (started while the parameter gate runs), scoring, held-out,
+    manifest.
 
-    torchrun is launched before the static gates and its ranks connect and wait: the runner
-    learns which bundle to import only from the configuration the feeder sends once the gates
-    passed, so nothing submitted runs before then, while the interpreter start and ``import
-    torch`` of torchrun's agent and of every rank overlap the gates. A bundle the gates refuse
-    kills that tree and leaves no run directory behind.
+    torchrun is launched before the last gate (the parameter cap, which builds the model in a
+    child and takes seconds) and its ranks connect and wait: the runner learns which bundle to
+    import only from the configuration the feeder sends once every gate passed, so nothing
+    submitted runs in them before then, while the interpreter start and ``import torch`` of
+    torchrun's agent and of every rank overlap that gate. A bundle the gate refuses kills the
+    tree and leaves no run directory behind.
     """
     # 2. tokenizer and locked data (verified before anything is launched)
     try:
@@ -422,12 +450,9 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         wrap=sandbox.prefix,
         clean_env=sandbox.mode == "strict",
     )
-    gated = _Gated([], None, 0.0)
     if opts.run_gates:
         try:
-            gated = _gate(opts, bundle.root)
-            if gated.bundle_sha256 != bundle.sha256:
-                raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
+            gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated)
         except BaseException:
             feeder.close()
             proc.kill()

@@ -14,7 +14,7 @@ exits 2); every other broken rule is a :class:`Finding` (exit 1 when one blocks)
 subcommand lives in :mod:`prism_challenge.gates.cli`.
 """
 
-from prism_challenge.gates.core import DEFAULT_MAX_PARAMETERS, run_gates, tokenizer_vocab_size
+from prism_challenge.gates.core import DEFAULT_MAX_PARAMETERS, parameter_gate, run_gates, tokenizer_vocab_size
 from prism_challenge.gates.findings import Finding, GateReport
 from prism_challenge.gates.rules import CONTRACT_RULES, FINDING_RULES, INTAKE_RULES, RULES
 
@@ -26,6 +26,7 @@ __all__ = [
     "RULES",
     "Finding",
     "GateReport",
+    "parameter_gate",
     "run_gates",
     "tokenizer_vocab_size",
 ]

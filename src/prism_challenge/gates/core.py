@@ -192,41 +192,66 @@ def _gate(
     param_count: int | None = None
     unsafe = any(f.blocking and f.rule not in CONTRACT_RULES for f in findings)
     if check_params and bundle is not None and not unsafe and vocab_size is not None:
-        # imported here: the child runs this very module with -m, which must not be imported first
-        from prism_challenge.gates.param_count import measure_parameters
-
-        arch = bundle.architecture
-        result = measure_parameters(
-            root,
-            arch.module,
-            arch.symbol,
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            max_parameters=max_parameters,
-            tokenizer=bundle.tokenizer,
-            timeout_s=param_timeout_s,
-            memory_bytes=param_memory_bytes,
+        found, param_count = parameter_gate(
+            bundle, vocab_size=vocab_size, seq_len=seq_len, max_parameters=max_parameters,
+            timeout_s=param_timeout_s, memory_bytes=param_memory_bytes, tree=trees.get(bundle.architecture.file),
         )
-        line = _def_line(trees.get(arch.file), arch.symbol)
-        if result.kind == "harness":
-            raise RuntimeError(f"parameter-count child could not build a context: {result.error}")
-        if result.count is None:
-            rule = _CHILD_RULES.get(result.kind or "", "prism:build-error")
-            findings.append(Finding(rule, arch.file, line, 0, f"{arch.symbol}(ctx): {result.error}"))
-        else:
-            param_count = result.count
-            if param_count > max_parameters:
-                findings.append(
-                    Finding(
-                        "prism:param-cap",
-                        arch.file,
-                        line,
-                        0,
-                        f"{param_count:,} unique parameter and buffer elements exceed the cap of {max_parameters:,}",
-                    )
-                )
+        findings.extend(found)
     findings.sort(key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     return GateReport(bundle, findings, param_count, max_parameters)
+
+
+def parameter_gate(
+    bundle: Bundle,
+    *,
+    vocab_size: int,
+    seq_len: int = 256,
+    max_parameters: int = DEFAULT_MAX_PARAMETERS,
+    timeout_s: float = 60.0,
+    memory_bytes: int = 8 << 30,
+    tree: ast.Module | None = None,
+) -> tuple[list[Finding], int | None]:
+    """The parameter cap: build the model in the bounded child and count what it holds.
+
+    Run it only on a bundle whose AST gates passed (it executes ``build_model``). Returns the
+    findings (``prism:param-cap``, or why the child could not count: build error, timeout,
+    memory, lazy modules) and the count of unique parameter and buffer elements (``None`` when
+    the child could not count). ``tree``: the parsed architecture file, for the finding's line.
+
+    Raises:
+        RuntimeError: the harness could not run the child.
+    """
+    # imported here: the child runs this very module with -m, which must not be imported first
+    from prism_challenge.gates.param_count import measure_parameters
+
+    arch = bundle.architecture
+    result = measure_parameters(
+        bundle.root,
+        arch.module,
+        arch.symbol,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        max_parameters=max_parameters,
+        tokenizer=bundle.tokenizer,
+        timeout_s=timeout_s,
+        memory_bytes=memory_bytes,
+    )
+    if tree is None:
+        try:
+            tree = ast.parse((bundle.root / arch.file).read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            tree = None
+    line = _def_line(tree, arch.symbol)
+    if result.kind == "harness":
+        raise RuntimeError(f"parameter-count child could not build a context: {result.error}")
+    if result.count is None:
+        rule = _CHILD_RULES.get(result.kind or "", "prism:build-error")
+        return [Finding(rule, arch.file, line, 0, f"{arch.symbol}(ctx): {result.error}")], None
+    if result.count > max_parameters:
+        return [Finding("prism:param-cap", arch.file, line, 0,
+                        f"{result.count:,} unique parameter and buffer elements exceed the cap of {max_parameters:,}")
+                ], result.count
+    return [], result.count
 
 
 def _def_line(tree: ast.Module | None, symbol: str) -> int:
