@@ -200,7 +200,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from prism_challenge.evaluator.instrument import ContractError
     from prism_challenge.evaluator.interface import PrismContext
     from prism_challenge.gates.param_count import count_unique_elements
-    from prism_challenge.evaluator.seeding import force_determinism
+    from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
 
     device = str(config.get("device", "cpu"))
     if device == "cuda":
@@ -210,6 +210,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     vocab = int(config["vocab_size"])
     stage = "import"
     try:
+        force_source_imports(config["bundle_root"])  # the source the gates checked, no planted bytecode
         sys.path.insert(0, str(config["bundle_root"]))
         module, symbol = config["architecture"]
         arch = importlib.import_module(module)

@@ -365,3 +365,45 @@ def test_strict_without_a_backend_fails_closed(tmp_path, monkeypatch):
     except Exception as exc:  # noqa: BLE001 - EvalFailure before the run directory exists is fine too
         failure = exc
     assert failure is not None and "bubblewrap" in str(failure) and "--isolation none" in str(failure)
+
+
+# -- planted bytecode -------------------------------------------------------------------------
+PLAIN_LOOP = """
+def train(ctx):
+    model = ctx.build_model()
+    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=16):
+        pass
+"""
+
+
+def plant_bytecode(bundle: Path, module: str, source: str) -> None:
+    """Put ``source``, compiled as an unchecked-hash .pyc, where Python looks for ``module``'s
+    bytecode: it would be loaded whatever ``module.py`` says."""
+    import importlib.util
+    import py_compile
+
+    hidden = bundle.parent / f"hidden_{module}.py"
+    hidden.write_text(source)
+    py_compile.compile(str(hidden), cfile=importlib.util.cache_from_source(str(bundle / f"{module}.py")),
+                       dfile=f"{module}.py", invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+                       doraise=True)
+
+
+@needs_sandbox
+def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path):
+    bundle = write(tmp_path / "b", hb.UNIFORM, PLAIN_LOOP)
+    plant_bytecode(bundle, "training", "def train(ctx):\n    raise RuntimeError('planted training bytecode ran')\n")
+    plant_bytecode(bundle, "architecture", "def build_model(ctx):\n    raise RuntimeError('planted architecture ran')\n")
+    # the planted files are real: a plain import of the bundle runs them
+    import subprocess
+    import sys
+
+    seen = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); import training; training.train(0)"],
+                          cwd=bundle, capture_output=True, text=True)
+    assert "planted training bytecode ran" in seen.stderr
+    # the gates (parameter child), every rank and the held-out child read the source instead
+    o = run(tmp_path, bundle, run_gates=True, heldout_bytes=30000)
+    assert o.failure is None, o.failure
+    s = o.manifest["score"]
+    assert s["prequential_bpb"] == pytest.approx(uniform_bpb(s), rel=1e-6)
+    assert o.manifest["verdict"]["heldout"] is not None, o.manifest["verdict"]["heldout_error"]

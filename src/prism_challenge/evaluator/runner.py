@@ -34,7 +34,7 @@ from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
-from prism_challenge.evaluator.seeding import force_determinism, force_seeds
+from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
 from prism_challenge.gates.param_count import count_unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -185,6 +185,7 @@ def _tail(exc: BaseException) -> str:
 
 def _import_bundle(runtime: Runtime, config: dict[str, Any]) -> Callable[[PrismContext], Any]:
     root = config["bundle_root"]
+    force_source_imports(root)  # the gates checked the source; no planted bytecode runs instead
     sys.path.insert(0, root)
     arch_mod, arch_sym = config["architecture"]
     train_mod, train_sym = config["training"]

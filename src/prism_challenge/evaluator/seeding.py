@@ -1,4 +1,4 @@
-"""Forced determinism: seeds, deterministic algorithms, a fixed thread count.
+"""Forced determinism: seeds, deterministic algorithms, a fixed thread count, source-only imports.
 
 Applied by the runner before any submitted module is imported, and re-applied (seeds only)
 right before every ``build_model`` call, so a loop cannot choose its initial weights by
@@ -7,8 +7,11 @@ re-seeding.
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import random
+import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +24,41 @@ def force_seeds(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the module from its ``.py`` every time: no bytecode read, none written."""
+
+    def get_code(self, fullname: str) -> Any:
+        return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
+
+    def set_data(self, path: str, data: bytes, *, _mode: int = 0o666) -> None:  # noqa: ARG002
+        return None
+
+
+def force_source_imports(root: str | os.PathLike[str]) -> None:
+    """Make every import from the directory tree ``root`` compile from its ``.py`` source.
+
+    A bundle could ship a ``__pycache__/training.cpython-311.pyc`` compiled from other source
+    (an unchecked-hash ``.pyc`` is loaded whatever the ``.py`` says), or a sourceless ``.pyc``:
+    the gates read the source and intake does not hash ``__pycache__``, so that bytecode would
+    run unchecked. A path hook placed first serves every folder under ``root`` with a finder
+    that knows only ``.py`` files and a loader that never reads or writes bytecode; the rest of
+    ``sys.path`` (torch and the standard library) keeps its bytecode caches.
+    """
+    base = os.path.realpath(root)
+
+    def hook(path: str) -> importlib.machinery.FileFinder:
+        real = os.path.realpath(path or ".")
+        if real != base and not real.startswith(base + os.sep):
+            raise ImportError("not in the bundle")
+        return importlib.machinery.FileFinder(path, (_SourceOnlyLoader, importlib.machinery.SOURCE_SUFFIXES))
+
+    sys.path_hooks.insert(0, hook)
+    for path in list(sys.path_importer_cache):  # finders made before the hook would be reused
+        real = os.path.realpath(path or ".")
+        if real == base or real.startswith(base + os.sep):
+            del sys.path_importer_cache[path]
 
 
 def force_determinism(seed: int, threads: int) -> None:

@@ -225,15 +225,15 @@ def _named_buffers(module: Any):
 
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root).resolve()
-    sys.dont_write_bytecode = True
-    sys.pycache_prefix = tempfile.mkdtemp(prefix="prism-pycache-")
-    sys.path.insert(0, str(root))
     started = time.perf_counter()
     try:
         import torch
 
         from prism_challenge.evaluator.interface import PrismContext
-        from prism_challenge.evaluator.seeding import force_seeds
+        from prism_challenge.evaluator.seeding import force_seeds, force_source_imports
+
+        force_source_imports(root)  # the source the gates read, never bytecode planted beside it
+        sys.path.insert(0, str(root))
 
         ctx = PrismContext(
             seed=args.seed,
