@@ -284,3 +284,54 @@ def test_strict_runs_see_no_secrets_of_the_operator_environment(tmp_path, monkey
     assert o.failure is None, o.failure
     names = (o.run_dir / "artifacts" / "env.txt").read_text().split()
     assert "PATH" in names and "HF_TOKEN" not in names and "AWS_SECRET_ACCESS_KEY" not in names
+
+
+BIG_OWN_MODEL_LOOP = """
+import torch
+
+
+def train(ctx):
+    ctx.build_model()
+    model = torch.nn.Sequential(torch.nn.Embedding(ctx.vocab_size, 16), torch.nn.Linear(16, ctx.vocab_size))
+    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+        pass
+"""
+
+GROWING_MODEL_LOOP = """
+import torch
+
+
+def train(ctx):
+    model = ctx.build_model()
+    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
+        pass
+    model.register_buffer("extra", torch.zeros(5000))
+"""
+
+
+@pytest.mark.parametrize("loop, needle", [(BIG_OWN_MODEL_LOOP, "holds 8,481 unique"),
+                                          (GROWING_MODEL_LOOP, "ended with 5,001 unique")])
+def test_the_scored_model_is_held_to_the_parameter_cap(tmp_path, loop, needle):
+    # the gate measured build_model (1 parameter); the loop scores another model (257*16 + 16*257 + 257
+    # = 8,481 elements) or grows it (1 + 5,000)
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=300, max_parameters=1000)
+    assert o.failure is not None and o.failure.stage == "contract", o.failure
+    assert needle in o.failure.message and "over the cap of 1,000" in o.failure.message
+    assert not (o.run_dir / "model").exists()  # nothing of the oversized state was kept
+
+
+STUCK_LOOP = """
+def train(ctx):
+    model = ctx.build_model()
+    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=16):
+        while True:
+            pass
+"""
+
+
+def test_a_single_rank_stuck_after_a_batch_is_stopped_and_scored(tmp_path):
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, STUCK_LOOP), token_budget=3000, idle_timeout=3)
+    assert o.failure is None, o.failure
+    st, s = o.manifest["stream"], o.manifest["score"]
+    assert st["stop_reason"] == "stalled" and st["batches"] == 1 and st["targets"] == 30 == st["tokens"] - 1
+    assert s["prequential_bpb"] == pytest.approx(math.log2(257) * s["targets"] / s["bytes"], rel=1e-6)

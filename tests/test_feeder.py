@@ -269,3 +269,29 @@ def test_a_rank_stuck_in_its_last_step_is_caught_after_the_end_was_sent(tmp_path
     stalled = f.check_stall(0.2)
     assert stalled is not None and stalled[2] == 1 and "rank 1 made no progress" in stalled[1]
     f.finish()
+
+
+def test_probe_schedule_is_fixed_by_the_key_and_differs_between_keys(tmp_path):
+    a = Feeder(str(tmp_path / "a.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")
+    b = Feeder(str(tmp_path / "b.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")
+    c = Feeder(str(tmp_path / "c.sock"), iter([]), {}, vocab_size=257, probe_key=b"k2")
+    sched = lambda f: [f._probe(step, rank, 8, 64) for step in range(400) for rank in range(2)]  # noqa: E731
+    sa, sb, sc = sched(a), sched(b), sched(c)
+    assert sa == sb and sa != sc
+    probed = [p for p in sa if p is not None]
+    # the first PROBE_FIRST steps always, then about PROBE_RATE of the rest (800 draws: 4 + ~50)
+    assert all(sa[i] is not None for i in range(2 * feeder_mod.PROBE_FIRST))
+    assert 20 < len(probed) < 100
+    assert all(1 <= k < 64 and 1 <= shift < 257 and 0 <= row < 8 for k, shift, row in probed)
+    for f in (a, b, c):
+        f.close()
+
+
+def test_feeder_refuses_a_batch_shape_outside_the_run_limits(tmp_path):
+    f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(IDS, NBYTES, 37)), {"sequence_length": 16}, vocab_size=257)
+    f.start()
+    r = FakeRunner(f)
+    protocol.send(r.sock, Kind.NEXT, {"batch_size": 10**9, "seq_len": 32})
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert "seq_len in 2..16" in res.error["message"] and not res.steps

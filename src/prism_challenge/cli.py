@@ -57,6 +57,9 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--max-parameters", type=_positive_int, default=ev.DEFAULT_MAX_PARAMETERS)
     p.add_argument("--rank-timeout", type=_positive_float, default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
+    p.add_argument("--idle-timeout", type=_positive_float, default=ev.DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+                   help="one rank: stop and score what was scored when the loop takes no batch for this long "
+                        "(default %(default)s)")
     p.add_argument("--isolation", choices=["strict", "none"], default="strict",
                    help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
     p.add_argument("--heldout-bytes", type=int, default=ev.DEFAULT_HELDOUT_BYTES, metavar="BYTES",
@@ -78,7 +81,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         bundle=args.bundle, data_dir=args.data_dir, out_dir=args.out_dir, seed=args.seed, seq_len=args.seq_len,
         token_budget=args.token_budget, step_budget=args.step_budget, wall_clock_budget=args.wall_clock_budget,
         nproc=args.nproc, nnodes=args.nnodes, device=args.device, threads=args.threads,
-        max_parameters=args.max_parameters, rank_timeout=args.rank_timeout, isolation=args.isolation,
+        max_parameters=args.max_parameters, rank_timeout=args.rank_timeout, idle_timeout=args.idle_timeout,
+        isolation=args.isolation,
         heldout_bytes=args.heldout_bytes,
     )
     if args.isolation == "none":

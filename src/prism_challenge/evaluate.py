@@ -11,6 +11,8 @@ manifest. The runner (untrusted) only ever sees one batch at a time.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import os
 import platform
 import resource
@@ -61,6 +63,7 @@ LOG_TAIL_LINES = 12
 WATCH_INTERVAL_S = 0.05
 GUARD_INTERVAL_S = 1.0
 DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
+DEFAULT_IDLE_TIMEOUT_S = 1800.0  # world size 1: silent this long after a batch -> stopped, scored
 STATE_NAME = "trained_state.pt"
 DEFAULT_MEMORY_LIMIT = 32 << 30  # RLIMIT_AS per process on CPU (torch reserves much address space)
 DEFAULT_MAX_PROCESSES = 1024  # tasks (processes + threads) of the sandbox uid
@@ -83,6 +86,9 @@ class EvalOptions:
     Budgets: ``token_budget`` (stream tokens), ``step_budget`` (global batches),
     ``wall_clock_budget`` (seconds from the gates' release; graceful: the stream stops and what
     was scored is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
+    Stalls: at world size 1 a rank that took a batch and then sends nothing for
+    ``idle_timeout`` s (an endless loop) is stopped and the run scored on what was scored; at
+    world size > 1 a rank silent for ``rank_timeout`` s while another is ahead fails the run.
 
     Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
     read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
@@ -106,6 +112,7 @@ class EvalOptions:
     max_parameters: int = DEFAULT_MAX_PARAMETERS
     run_gates: bool = True
     rank_timeout: float = DEFAULT_RANK_TIMEOUT_S
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
     isolation: str = "strict"
     memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT
     max_processes: int | None = DEFAULT_MAX_PROCESSES
@@ -176,6 +183,11 @@ def _remove_run_dir(run_dir: Path, fresh: bool) -> None:
     """Undo :func:`_new_run_dir` for a run that never started (its bundle was refused)."""
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir.parent.name == "prism-runs":  # the default parent, when this run made it
+            try:
+                run_dir.parent.rmdir()
+            except OSError:  # other runs live there
+                pass
         return
     for child in run_dir.iterdir():
         if child.is_dir() and not child.is_symlink():
@@ -429,6 +441,9 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, gated: _Gated, t
         step_budget=opts.step_budget,
         wall_clock_budget=opts.wall_clock_budget,
         on_record=_recorded,
+        # the scored model's state: 16 bytes per capped element (float64, a tied tensor twice)
+        max_state_bytes=16 * opts.max_parameters + (1 << 20),
+        probe_key=_probe_key(data.root, bundle, opts.seed),
     )
     try:
         sandbox = _sandbox(opts, run_dir, artifacts, Path(sock_path).parent, data.root, bundle, device)
@@ -545,9 +560,11 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
             return "failure"
         if opts.wall_clock_budget is not None and now - t_release > opts.wall_clock_budget + WATCHDOG_GRACE_S:
             return "watchdog"
-        stalled = feeder.check_stall(opts.rank_timeout)
+        stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout)
         if stalled is not None:
             stage, message, rank = stalled
+            if stage == "stalled":  # one rank stuck after its last batch: stop, score what was scored
+                return "stalled"
             feeder.fail(stage, f"{message} [--rank-timeout {opts.rank_timeout:g} s]", rank=rank)
             return "failure"
         reason = guard.check(now) if guard is not None else None
@@ -563,12 +580,14 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
 
 
 def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc, log_path: Path) -> EvalFailure | None:
-    """Why the run cannot be scored, or ``None`` (a watchdog stop is scored on what was scored)."""
+    """Why the run cannot be scored, or ``None`` (a watchdog or stall stop is scored on what was scored)."""
     if result.error is not None:
         err = result.error
         return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path))
     if killed_by == "watchdog":
         result.stop_reason = "wall_clock_budget"
+    elif killed_by == "stalled":
+        result.stop_reason = "stalled"
     elif len(result.done) < opts.nproc:
         return EvalFailure(
             "runner",
@@ -576,9 +595,28 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
             f"{sorted(set(range(opts.nproc)) - set(result.done))} (torchrun exit code {proc.proc.returncode})",
             _log_tail(log_path),
         )
+    counts = [d.get("parameter_count") for d in result.done.values()]
+    over = [c for c in counts if isinstance(c, int) and c > opts.max_parameters]
+    if over:  # the runner refuses this itself; the trusted side checks its report too
+        return EvalFailure("contract", f"the scored model holds {max(over):,} unique parameter and buffer elements, "
+                                       f"over the cap of {opts.max_parameters:,}")
     if not result.steps:
         return EvalFailure("contract", "no batch was scored: the loop never iterated ctx.iter_train_batches(...)")
     return None
+
+
+def _probe_key(data_root: Path, bundle: Bundle, seed: int) -> bytes:
+    """The key of the causality-probe schedule: HMAC-SHA256 of the data directory's secret salt
+    (hidden from the sandbox; the manifest's path when there is none) over the bundle's sha256
+    and the seed. The same bundle probes the same batches on every run (a loop that notices
+    probes cannot make its score vary); any edit to the bundle draws a new schedule, so one
+    run's schedule teaches nothing about the next submission's."""
+    salt_path = default_salt_path(data_root)
+    try:
+        secret = salt_path.read_bytes()
+    except OSError:
+        secret = str(data_root).encode()
+    return hmac.new(secret, f"probe:{bundle.sha256}:{seed}".encode(), hashlib.sha256).digest()
 
 
 def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> dict[str, Any]:

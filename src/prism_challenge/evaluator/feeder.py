@@ -20,6 +20,8 @@ When fewer than ``T`` tokens remain, the last ``n >= 2`` tokens form one final, 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
 import queue
@@ -242,6 +244,10 @@ class Feeder:
         wall_clock_budget: seconds after :meth:`release` after which no new step is served.
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
+        probe_key: secret bytes that fix which batches are probed for causality and how
+            (HMAC-SHA256 of the key, step and rank): the same run probes the same batches, so a
+            loop that notices probes cannot make its score vary between runs; ``None``: the
+            operating system's random source.
     """
 
     def __init__(
@@ -257,6 +263,7 @@ class Feeder:
         wall_clock_budget: float | None = None,
         on_record: Callable[[StepRecord], None] | None = None,
         max_state_bytes: int = 8 << 30,
+        probe_key: bytes | None = None,
     ):
         self.socket_path = socket_path
         self.token = secrets.token_hex(16)
@@ -281,6 +288,8 @@ class Feeder:
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
         self._rng = random.SystemRandom()
+        self._probe_key = probe_key
+        self._max_seq_len = int(config.get("sequence_length") or 1 << 30)
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
         self.released_at: float | None = None
@@ -476,6 +485,9 @@ class Feeder:
             b, t = int(header["batch_size"]), int(header["seq_len"])
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("NEXT needs integer batch_size and seq_len") from None
+        if not (b >= 1 and 2 <= t <= self._max_seq_len and b * t <= protocol.MAX_BATCH_TOKENS):
+            raise ProtocolError(f"rank {st.rank} asked for batches of {b} x {t} tokens: batch_size must be >= 1, "
+                                f"seq_len in 2..{self._max_seq_len}, at most {protocol.MAX_BATCH_TOKENS} tokens")
         with self._lock:
             if self._shape is None:
                 self._shape = self.result.shape = (b, t)
@@ -492,21 +504,29 @@ class Feeder:
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
         header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
-        probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
+        probe = self._probe(st.step, st.rank, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
         self._send(st, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
 
-    def _probe(self, step: int, rows: int, seq_len: int) -> list[int] | None:
+    def _probe(self, step: int, rank: int, rows: int, seq_len: int) -> list[int] | None:
         """Whether to probe this batch for causality, and how: ``[k, shift, row]`` or ``None``.
 
         The first ``PROBE_FIRST`` batches and a ``PROBE_RATE`` share of the others, drawn from
-        the operating system's random source (unpredictable to the submission).
+        ``HMAC-SHA256(probe_key, "step:rank")`` (a secret the submission never sees) or, without
+        a key, from the operating system's random source.
         """
-        if seq_len < 2 or not (step < PROBE_FIRST or self._rng.random() < PROBE_RATE):
+        if seq_len < 2:
             return None
-        return [self._rng.randrange(1, seq_len), self._rng.randrange(1, self.vocab_size), self._rng.randrange(rows)]
+        if self._probe_key is None:
+            draw = [self._rng.random() for _ in range(4)]
+        else:
+            digest = hmac.new(self._probe_key, f"{step}:{rank}".encode(), hashlib.sha256).digest()
+            draw = [int.from_bytes(digest[i : i + 8], "big") / 2.0**64 for i in range(0, 32, 8)]
+        if not (step < PROBE_FIRST or draw[0] < PROBE_RATE):
+            return None
+        return [1 + int(draw[1] * (seq_len - 1)), 1 + int(draw[2] * (self.vocab_size - 1)), int(draw[3] * rows)]
 
     def _piece(self, st: RankState, b: int, t: int) -> tuple[np.ndarray, int] | None:
         """This rank's slice of the global batch of its next step (caller holds the lock)."""
@@ -644,15 +664,23 @@ class Feeder:
             )
 
     def check_stall(self, timeout: float) -> tuple[str, str, int] | None:
-        """A rank silent for ``timeout`` s while the others moved on (world size > 1).
+        """A rank silent for ``timeout`` s: stuck, or out of step with the others.
 
-        Returns (stage, message, rank) describing the failure, or ``None``. Two cases: another
-        rank already left the stream (the silent rank is most likely blocked in a collective the
-        leaver never joins), or another rank is ahead of it (the silent rank hangs).
+        Returns (stage, message, rank), or ``None``. World size 1: stage ``"stalled"`` once the
+        rank took a batch and then sent nothing for ``timeout`` s (an endless loop in ``train``;
+        the caller stops the run and scores what was scored). World size > 1, a failure in two
+        cases: another rank already left the stream (the silent rank is most likely blocked in a
+        collective the leaver never joins), or another rank is ahead of it (the silent rank hangs).
         """
-        if self.world_size < 2:
-            return None
         now = time.monotonic()
+        if self.world_size == 1:
+            st = self._ranks.get(0)
+            if st is None or st.done is not None or st.left or st.ended or not st.taken:
+                return None
+            quiet = now - st.last_active
+            if quiet < timeout:
+                return None
+            return ("stalled", f"rank 0 made no progress for {quiet:.0f} s after taking {st.taken} batch(es)", 0)
         with self._lock:
             ranks = list(self._ranks.values())
         for st in ranks:

@@ -16,6 +16,7 @@ from typing import Any
 
 _PREFIX = struct.Struct("<BII")
 MAX_HEADER = 1 << 20  # 1 MiB: records and error reports are far smaller
+MAX_BATCH_TOKENS = 1 << 24  # 16 Mi tokens per batch: far above any sane batch, bounds memory
 MAX_STATE_TENSOR_BYTES = (1 << 32) - 1  # one STATE frame: a tensor of the scored model
 
 

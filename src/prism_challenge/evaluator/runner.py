@@ -41,7 +41,7 @@ from prism_challenge.tokenizers import ReferenceTokenizer
 
 ENV_SOCKET = "PRISM_FEEDER_SOCKET"
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"
-MAX_BATCH_TOKENS = 1 << 24  # 16 Mi tokens per batch: far above any sane batch, bounds memory
+MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
 
 
@@ -122,6 +122,12 @@ class Runtime:
         if batch_size * seq_len > MAX_BATCH_TOKENS:
             raise self.contract_error(
                 f"iter_train_batches: batch_size*seq_len = {batch_size * seq_len} exceeds {MAX_BATCH_TOKENS} tokens"
+            )
+        count = count_unique_elements(model)[0]
+        if count > ctx.max_parameters:
+            raise self.contract_error(
+                f"iter_train_batches(model=...): the model holds {count:,} unique parameter and buffer elements, "
+                f"over the cap of {ctx.max_parameters:,} (the scored model is held to the cap, not only build_model's)"
             )
         if tokenizer is not None:
             name = tokenizer.name if isinstance(tokenizer, ReferenceTokenizer) else repr(tokenizer)
@@ -247,8 +253,13 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
     if model is not None:
         runtime.stage = "state"
         try:
+            done["parameter_count"] = count = count_unique_elements(model)[0]
+            cap = int(config["max_parameters"])
+            if count > cap:  # e.g. buffers registered during training: held to the cap, and not sent
+                runtime.report_error("contract", f"the scored model ended with {count:,} unique parameter and "
+                                                 f"buffer elements, over the cap of {cap:,}")
+                return 1
             state = cpu_state(model)
-            done["parameter_count"] = count_unique_elements(model)[0]
             done["state_sha256"] = state_digest(state)
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
                 for header, payload in frames(state):
