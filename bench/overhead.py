@@ -6,14 +6,14 @@ the bundle's own training step, no harness) as separate processes, and prints:
 
 * ``time ratio``: re-execution time / bare time (launch of the bare process -> its last
   batch, interpreter start and ``import torch`` included). ``prism eval`` launches torchrun
-  while its last gate (the parameter cap, a child that builds the model) runs; the ranks
+  while its static gates run (the AST gates, then the parameter cap in a child); the ranks
   connect and wait, and the bundle is named to them only once every gate passed. So the
   re-execution time is what the run costs beyond the gates: release after the gates -> last
   scored batch (``timing.release_to_last_record_s``). The gates and the work after the stream
   are timed and printed apart.
 * ``throughput ratio``: bare time / re-execution time (tokens per second relative to bare).
 * for transparency, the same against the whole launch (torchrun start -> last scored batch,
-  the part that overlaps the parameter gate included), and over the steady stream only (first
+  the part that overlaps the gates included), and over the steady stream only (first
   batch -> last batch), where the feeder's per-batch cost shows without any start-up.
 
 Bundles: ``examples/tiny-1m`` (model-bound, GPT-2 tokenizer) and ``bench/bundles/trivial``
@@ -111,7 +111,7 @@ def main() -> None:
         print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}")
         print(f"   re-execution after the gates -> last batch {he:8.3f} s | bare launch->last batch {bt:8.3f} s")
         print(f"   time ratio {he / bt:.3f}   throughput ratio {bt / he:.3f}")
-        print(f"   whole launch (torchrun start, overlapping the parameter gate) -> last batch {ht:.3f} s: "
+        print(f"   whole launch (torchrun start, overlapping the gates) -> last batch {ht:.3f} s: "
               f"time ratio {ht / bt:.3f}, throughput ratio {bt / ht:.3f}")
         print(f"   steady stream: harness {hs:.3f} s, bare {bs:.3f} s -> time ratio {hs / bs:.3f}, throughput ratio {bs / hs:.3f}")
         print(f"   gates {med(h, 'gates'):.3f} s, after stream {med(h, 'after'):.3f} s, prequential_bpb {h[0]['bpb']:.6f}")

@@ -1,8 +1,8 @@
 """``prism eval``: the whole scored run, in pipeline order.
 
 intake -> locked data (verified) -> feeder socket -> torchrun started (ranks wait) while the
-static gates run -> release (the ranks import the bundle) -> loss records -> prequential score
--> held-out -> run manifest.
+static gates and the parameter cap run -> release (the ranks import the bundle) -> loss records
+-> prequential score -> held-out -> run manifest.
 
 The parent process is the trusted side: it alone reads data, counts bytes and writes the
 manifest. The runner (untrusted) only ever sees one batch at a time.
@@ -248,17 +248,13 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     try:
-        # 2. the static gates but the parameter cap: fast, in-process; a refusal costs nothing more
-        gated = _Gated([], None, 0.0)
-        if opts.run_gates:
-            gated = _static_gates(opts, root)
         try:
             bundle = load_bundle(root)
         except BundleError as exc:
+            if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
+                _static_gates(opts, root)
             raise EvalFailure("intake", str(exc)) from None
-        if opts.run_gates and gated.bundle_sha256 != bundle.sha256:
-            raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
-        return _run_bundle(opts, bundle, device, gated, t_start, on_start, on_record)
+        return _run_bundle(opts, bundle, device, t_start, on_start, on_record)
     finally:
         if extracted is not None:
             shutil.rmtree(extracted, ignore_errors=True)
@@ -386,17 +382,16 @@ def _heldout_prefix(sandbox: _Sandbox, bundle: Bundle) -> list[str]:
                           bundle_dir=bundle.root, limits=limits, uid=sandbox.uid, backend=sandbox.backend)
 
 
-def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, gated: _Gated, t_start: float, on_start,
+def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, on_start,
                 on_record) -> EvalOutcome:
-    """Data, sandbox, feeder, torchrun (started while the parameter gate runs), scoring, held-out,
-    manifest.
+    """Data, sandbox, feeder, torchrun (started before the gates), scoring, held-out, manifest.
 
-    torchrun is launched before the last gate (the parameter cap, which builds the model in a
-    child and takes seconds) and its ranks connect and wait: the runner learns which bundle to
-    import only from the configuration the feeder sends once every gate passed, so nothing
-    submitted runs in them before then, while the interpreter start and ``import torch`` of
-    torchrun's agent and of every rank overlap that gate. A bundle the gate refuses kills the
-    tree and leaves no run directory behind.
+    torchrun is launched before the static gates and its ranks connect and wait: the runner
+    learns which bundle to import only from the configuration the feeder sends once every gate
+    passed, so nothing submitted runs in them before then, while the interpreter start and
+    ``import torch`` of torchrun's agent and of every rank overlap the gates (the AST gates in
+    this process, then the parameter cap in a child). A bundle the gates refuse kills the tree
+    and leaves no run directory behind.
     """
     # 2. tokenizer and locked data (verified before anything is launched)
     try:
@@ -465,8 +460,12 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, gated: _Gated, t
         wrap=sandbox.prefix,
         clean_env=sandbox.mode == "strict",
     )
+    gated = _Gated([], None, 0.0)
     if opts.run_gates:
         try:
+            gated = _static_gates(opts, bundle.root)
+            if gated.bundle_sha256 != bundle.sha256:
+                raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
             gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated)
         except BaseException:
             feeder.close()
