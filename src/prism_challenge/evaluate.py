@@ -531,6 +531,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         timing={
             "gates_s": gated.seconds,
             "launch_to_release_s": t_release - t_launch,
+            "launch_to_ready_s": (result.ready_at - t_launch) if result.ready_at else None,
             "launch_to_first_batch_s": (result.first_batch_at - t_launch) if result.first_batch_at else None,
             "launch_to_last_record_s": (result.last_record_at - t_launch) if result.last_record_at else None,
             "release_to_first_batch_s": (result.first_batch_at - t_release) if result.first_batch_at else None,

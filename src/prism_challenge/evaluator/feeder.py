@@ -217,6 +217,7 @@ class FeederResult:
     error: dict[str, Any] | None = None
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     nonfinite_batches: int = 0
+    ready_at: float | None = None  # every rank connected and said HELLO
     first_batch_at: float | None = None
     last_record_at: float | None = None
     state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)
@@ -380,6 +381,8 @@ class Feeder:
                     conn.close()
                     return
                 st = self._ranks[rank] = RankState(rank, conn, int(hello.get("pid") or 0))
+                if len(self._ranks) == self.world_size:
+                    self.result.ready_at = time.monotonic()
             writer = threading.Thread(target=self._write, args=(st,), name="prism-feeder-writer", daemon=True)
             writer.start()
             self._threads.append(writer)

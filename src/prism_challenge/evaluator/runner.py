@@ -208,11 +208,20 @@ def _import_bundle(runtime: Runtime, config: dict[str, Any]) -> Callable[[PrismC
     return train
 
 
+def _warm_up() -> None:
+    """Import what nearly every training loop pulls in on its first steps, before the run starts:
+    a loop's first ``torch.optim`` optimizer imports ``torch._dynamo`` (about 1 s on CPU). The
+    rank does this while it waits for the gates, so it is off the path to the first batch."""
+    for name in ("torch._dynamo", "torch.optim"):
+        importlib.import_module(name)
+
+
 def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int:
     """Run one rank: receive CONFIG, import the bundle, call ``train(ctx)``, report DONE.
 
     Returns the process exit code (0 when ``train`` returned).
     """
+    _warm_up()  # while the gates run: nothing of the bundle is known or imported yet
     kind, config, _ = protocol.recv(sock, max_payload=0)
     if kind != Kind.CONFIG:
         raise protocol.ProtocolError(f"expected CONFIG from the feeder, got {kind.name}")

@@ -61,6 +61,24 @@ def force_source_imports(root: str | os.PathLike[str]) -> None:
             del sys.path_importer_cache[path]
 
 
+def _deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)``, without its import of ``torch._inductor``.
+
+    That call sets two things: the C++ flag, and ``torch._inductor.config.deterministic`` for
+    compiled code; importing the inductor config pulls in ``torch._dynamo`` (about 1 s on CPU,
+    on the path from a rank's start to its first batch). The same effect: the C++ flag now, and
+    ``TORCHINDUCTOR_DETERMINISTIC=1``, from which the inductor config takes its default when a
+    loop first compiles. When the config is already imported, or this torch lacks the flag's
+    setter, the public call does it all.
+    """
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if "torch._inductor.config" in sys.modules or setter is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        setter(True, warn_only=False)
+
+
 def force_determinism(seed: int, threads: int) -> None:
     """Seeds plus deterministic kernels and ``threads`` intra-op CPU threads.
 
@@ -68,12 +86,12 @@ def force_determinism(seed: int, threads: int) -> None:
     launcher sets it); it is set here too for direct callers.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    _deterministic_algorithms()
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or parallel work already ran in this process
         pass
-    torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
