@@ -12,7 +12,6 @@ uid); the manifest's ``isolation`` ({"mode", "backend", "guard": {"uid", ...}, .
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -39,21 +38,11 @@ from prism_challenge.run_manifest import MANIFEST_NAME, SCHEMA
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = {f.name for f in dataclasses.fields(EvalOptions)}
-INTEGRATED = "isolation" in FIELDS
-needs_integration = pytest.mark.skipif(
-    not INTEGRATED, reason="waits on the lead's integration: EvalOptions(isolation=...) in evaluate.py"
-)
 needs_sandbox = pytest.mark.skipif(
     isolation.available_backend() is None,
     reason="no working sandbox backend (install bubblewrap or allow unshare): strict cannot run",
 )
 V = 257
-
-
-def needs_fields(*names):
-    missing = [n for n in names if n not in FIELDS]
-    return pytest.mark.skipif(bool(missing), reason=f"waits on the lead's integration: EvalOptions.{', '.join(missing)}")
 
 
 def write(root: Path, architecture: str, training: str) -> Path:
@@ -69,8 +58,7 @@ def run(tmp_path, bundle, name="run", **kw):
     kw.setdefault("token_budget", 3000)
     kw.setdefault("seq_len", 64)
     kw.setdefault("threads", 1)
-    if INTEGRATED:
-        kw.setdefault("isolation", "strict")
+    kw.setdefault("isolation", "strict")
     return evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / name), device="cpu", **kw))
 
 
@@ -98,7 +86,6 @@ def public_data_dir():
 
 
 # -- network ----------------------------------------------------------------------------------
-@needs_integration
 @needs_sandbox
 def test_opening_a_socket_fails(tmp_path):
     host = socket.socket()
@@ -119,7 +106,6 @@ def test_opening_a_socket_fails(tmp_path):
 
 
 # -- reading data -----------------------------------------------------------------------------
-@needs_integration
 @needs_sandbox
 def test_reading_data_heldout_and_cache_files_fails(tmp_path, public_data_dir):
     m = load_manifest(public_data_dir)
@@ -147,7 +133,6 @@ def test_reading_data_heldout_and_cache_files_fails(tmp_path, public_data_dir):
             assert got in ("PermissionError", "FileNotFoundError"), (name, got)
 
 
-@needs_integration
 @needs_sandbox
 def test_the_host_outside_the_allow_list_is_absent(tmp_path, public_data_dir):
     """Strict is an allow-list view: the raw text the data was prepared from (world-readable, as
@@ -179,7 +164,6 @@ def test_the_host_outside_the_allow_list_is_absent(tmp_path, public_data_dir):
 
 
 # -- writing outside the artifacts directory --------------------------------------------------
-@needs_integration
 @needs_sandbox
 def test_writing_outside_the_artifacts_directory_fails(tmp_path, public_data_dir):
     run_dir = tmp_path / "run"
@@ -207,9 +191,7 @@ def test_writing_outside_the_artifacts_directory_fails(tmp_path, public_data_dir
 
 
 # -- resource bombs ---------------------------------------------------------------------------
-@needs_integration
 @needs_sandbox
-@needs_fields("max_processes")
 def test_fork_bomb_is_contained_and_reported(tmp_path):
     o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.FORK_BOMB), max_processes=128)
     assert o.failure is not None
@@ -222,9 +204,7 @@ def test_fork_bomb_is_contained_and_reported(tmp_path):
         assert tasks_of_uid(uid) == (0, 0)
 
 
-@needs_integration
 @needs_sandbox
-@needs_fields("memory_limit_bytes")
 def test_memory_bomb_is_contained_and_reported(tmp_path):
     o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.MEMORY_BOMB), memory_limit_bytes=3 << 30)
     assert o.failure is not None and o.failure.stage == "train", o.failure
@@ -248,7 +228,6 @@ def test_a_loop_that_never_calls_the_iterator_fails_clearly(tmp_path):
 
 
 # -- planted files ----------------------------------------------------------------------------
-@needs_integration
 @needs_sandbox
 def test_planted_pickle_and_manifest_are_ignored(tmp_path):
     marker = tmp_path / "pwned"
@@ -310,7 +289,6 @@ def train_stream_ids(n_bytes: int) -> tuple[np.ndarray, bytes]:
     return np.array(ids), raw
 
 
-@needs_integration
 def test_baked_in_knowledge_is_zeroed(tmp_path):
     ids, raw = train_stream_ids(32_000)
     arch = hb.baked_architecture(raw)
@@ -333,7 +311,6 @@ def test_baked_in_knowledge_is_zeroed(tmp_path):
     assert v["final_score"] == 0.0
 
 
-@needs_integration
 def test_honest_run_has_a_full_verdict(tmp_path):
     o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.training("stream(ctx)")))
     assert o.failure is None, o.failure
@@ -346,14 +323,12 @@ def test_honest_run_has_a_full_verdict(tmp_path):
 
 
 # -- modes ------------------------------------------------------------------------------------
-@needs_integration
 def test_isolation_none_is_flagged_in_the_manifest(tmp_path):
     o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.training("stream(ctx)")), isolation="none")
     assert o.failure is None, o.failure
     assert o.manifest["isolation"]["mode"] == "none"
 
 
-@needs_integration
 def test_strict_without_a_backend_fails_closed(tmp_path, monkeypatch):
     # every backend's probe fails (as on a host without bubblewrap and without user namespaces)
     monkeypatch.setattr(isolation, "_probe_cached", lambda backend: (False, "disabled by the test"))
