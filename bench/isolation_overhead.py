@@ -16,8 +16,6 @@ Usage: ``python bench/isolation_overhead.py [--repeats 3] [--example-tokens 1000
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -27,26 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import overhead  # noqa: E402
-from prism_challenge.evaluate import EvalOptions  # noqa: E402
 from prism_challenge.evaluator.isolation import available_backend  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--example-tokens", type=int, default=100_000)
-    p.add_argument("--trivial-tokens", type=int, default=1_000_000)
-    p.add_argument("--threads", type=int, default=2)
+    p = overhead.bench_arguments(__doc__.split("\n")[0])
     p.add_argument("--bare", action="store_true", help="also time the bare loop (bench/overhead.py) per bundle")
     a = p.parse_args()
-    if "isolation" not in {f.name for f in dataclasses.fields(EvalOptions)}:
-        raise SystemExit("EvalOptions has no 'isolation' field: evaluate() does not wire the sandbox yet")
     print(f"sandbox backend: {available_backend()}")
-    cases = [
-        ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257),
-        ("trivial (bytes, 8x1024)", str(ROOT / "bench" / "bundles" / "trivial"), a.trivial_tokens, 8, 1024, 257),
-    ]
-    for name, bundle, tokens, batch, seq_len, vocab in cases:
+    for name, bundle, tokens, batch, seq_len, vocab in overhead.bench_cases(a):
         res: dict[str, list[dict]] = {"strict": [], "none": []}
         for _ in range(a.repeats):
             for mode in ("strict", "none"):

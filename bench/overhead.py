@@ -85,19 +85,29 @@ def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int)
     return {"total": rec["t_last_batch"] - t0, "stream": rec["t_last_batch"] - rec["t_first_batch"]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def bench_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every harness benchmark shares: repeats, token budgets, threads per rank."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--example-tokens", type=int, default=100_000)
     p.add_argument("--trivial-tokens", type=int, default=1_000_000)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--isolation", choices=["strict", "none"], default="strict")
-    a = p.parse_args()
-    cases = [
+    return p
+
+
+def bench_cases(a: argparse.Namespace) -> list[tuple[str, str, int, int, int, int]]:
+    """(name, bundle, tokens, batch, seq_len, vocab) of the two benchmark bundles."""
+    return [
         ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257),
         ("trivial (bytes, 8x1024)", str(ROOT / "bench" / "bundles" / "trivial"), a.trivial_tokens, 8, 1024, 257),
     ]
-    for name, bundle, tokens, batch, seq_len, vocab in cases:
+
+
+def main() -> None:
+    p = bench_arguments(__doc__.split("\n")[0])
+    p.add_argument("--isolation", choices=["strict", "none"], default="strict")
+    a = p.parse_args()
+    for name, bundle, tokens, batch, seq_len, vocab in bench_cases(a):
         with tempfile.TemporaryDirectory() as d:
             npz = Path(d) / "batches.npz"
             cut_batches(bundle, tokens, batch, seq_len, npz)
