@@ -81,6 +81,9 @@ CASES: list[Case] = [
     # --- introspection -------------------------------------------------------------------
     A("globals", "prism:no-introspection", "globals()", body="g = globals()"),
     A("locals", "prism:no-introspection", "locals()", body="g = locals()"),
+    # addresses differ between runs: a bias offset from id() made one bundle score 7.78 and 8.85
+    A("id", "prism:no-introspection", "id(", body="s = (id(object()) // 16) % 97"),
+    A("hash", "prism:no-introspection", "hash(", body="s = hash(object()) % 97"),
     A("vars", "prism:no-introspection", "vars(", body="g = vars(torch)"),
     A("func-globals", "prism:no-introspection", "__globals__", body="g = Tiny.forward.__globals__"),
     A("subclasses", "prism:no-introspection", "__subclasses__", body="s = ().__class__.__bases__[0].__subclasses__()"),

@@ -38,7 +38,7 @@ FINDING_RULES: dict[str, str] = {
     "prism:no-filesystem": "filesystem access (open, pathlib, shutil, from_file, tofile, ...)",
     "prism:no-ffi": "foreign code (ctypes, cffi, cpp_extension, load_library, jiterator, ...)",
     "prism:no-dynamic-code": "eval, exec, __import__, get_type_hints, torch.jit.script, torch.fx, ...",
-    "prism:no-introspection": "frames, code, globals, builtins, class hierarchies, __dict__",
+    "prism:no-introspection": "frames, code, globals, builtins, class hierarchies, __dict__, id/hash addresses",
     "prism:no-interactive": "breakpoint, input, help",
     "prism:dynamic-attr": "computed attribute names (getattr, str.format) or modules used as values",
     "prism:no-pickle": "pickle-family loads (pickle, marshal, *_object collectives, __reduce__)",
