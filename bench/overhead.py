@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from prism_challenge.data.manifest import load_manifest
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluate import EvalOptions, evaluate
 from prism_challenge.evaluator.feeder import RowAssembler
+from prism_challenge.evaluator.launcher import compute_env
 from prism_challenge.tokenizers import reference_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +81,7 @@ def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int)
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bare_loop.py"), bundle, str(batches), "--vocab-size", str(vocab),
          "--seq-len", str(seq_len), "--threads", str(threads)],
-        check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": str(threads), **__import__("os").environ},
+        check=True, capture_output=True, text=True, env={**os.environ, **compute_env(threads)},
     )
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     return {"total": rec["t_last_batch"] - t0, "stream": rec["t_last_batch"] - rec["t_first_batch"]}

@@ -284,6 +284,7 @@ def test_strict_runs_see_no_secrets_of_the_operator_environment(tmp_path, monkey
     assert o.failure is None, o.failure
     names = (o.run_dir / "artifacts" / "env.txt").read_text().split()
     assert "PATH" in names and "HF_TOKEN" not in names and "AWS_SECRET_ACCESS_KEY" not in names
+    assert "THP_MEM_ALLOC_ENABLE" in names  # the compute environment (launcher.compute_env) reaches the ranks
 
 
 BIG_OWN_MODEL_LOOP = """
@@ -318,6 +319,43 @@ def test_the_scored_model_is_held_to_the_parameter_cap(tmp_path, loop, needle):
     assert o.failure is not None and o.failure.stage == "contract", o.failure
     assert needle in o.failure.message and "over the cap of 1,000" in o.failure.message
     assert not (o.run_dir / "model").exists()  # nothing of the oversized state was kept
+
+
+HIDDEN_BANK_ARCH = """
+import torch
+from torch import nn
+
+
+class Bank:
+    def __init__(self, v, d):
+        self.w = nn.Parameter(torch.randn(v, d) * 0.1)
+        self.h = nn.Parameter(torch.randn(d, v) * 0.1)
+
+
+class HiddenBank(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.bank = Bank(v, 64)  # a plain object: invisible to the module tree and its state_dict
+        self.bias = nn.Parameter(torch.zeros(v))
+
+    def forward(self, tokens):
+        return self.bank.w[tokens] @ self.bank.h + self.bias
+
+
+def build_model(ctx):
+    return HiddenBank(ctx.vocab_size)
+"""
+
+
+def test_weights_held_outside_the_module_tree_count_against_the_cap(tmp_path):
+    # every gate passes: the module tree holds 257 elements (the bias), under the cap of 5,000; the
+    # scored forward of the first batch reads 257*64 + 64*257 + 257 = 33,153 and the run fails there
+    o = run(tmp_path, write_bundle(tmp_path / "b", HIDDEN_BANK_ARCH), token_budget=3000, max_parameters=5000,
+            run_gates=True)
+    assert o.failure is not None and o.failure.stage == "contract", o.failure
+    assert "batch 0: the scored forward read 33,153 unique tensor elements" in o.failure.message
+    assert "over the cap of 5,000" in o.failure.message and "holds 257 in its module tree" in o.failure.message
+    assert o.manifest["status"] == "failed" and o.manifest["score"] is None
 
 
 STUCK_LOOP = """

@@ -166,3 +166,33 @@ def test_single_row_probe_matches_the_batch_forward_of_a_causal_model():
     model, tokens = Causal(50), torch.randint(0, 50, (8, 33))
     for row in range(8):
         assert score_batch(model, tokens, 50, probe=(16, 5, row)) == score_batch(model, tokens, 50)
+
+
+HUGE_PAGES_PROBE = """
+import torch
+from torch import nn
+from prism_challenge.evaluator.instrument import score_batch
+torch.manual_seed(0)
+torch.set_num_threads(2)
+model = nn.Sequential(nn.Embedding(50257, 32), nn.Linear(32, 50257))  # logits of 4*128*50257*4 B = 103 MB
+tokens = torch.randint(0, 50257, (4, 128))
+print(repr(score_batch(model, tokens, 50257)))
+"""
+
+
+def test_huge_page_allocation_leaves_the_score_bitwise_unchanged():
+    # the ranks run with THP_MEM_ALLOC_ENABLE=1 (launcher.compute_env): only the page size of
+    # tensors >= 2 MiB changes, never a value
+    import os
+    import subprocess
+    import sys
+
+    from prism_challenge.evaluator.launcher import compute_env
+
+    assert compute_env(2)["THP_MEM_ALLOC_ENABLE"] == "1"
+    out = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, **compute_env(2), "THP_MEM_ALLOC_ENABLE": flag}
+        out[flag] = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=env, check=True,
+                                   capture_output=True, text=True).stdout.strip()
+    assert float(out["1"]) > 0 and out["0"] == out["1"]

@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from prism_challenge.evaluator.launcher import compute_env
+
 LN2 = math.log(2.0)
 DEFAULT_MAX_BYTES = 200_000
 TRAINED_STATE_NAME = "prism_trained_state.pt"
@@ -440,10 +442,7 @@ def run_heldout(
     payload = (_frame(json.dumps(child_config).encode()) + _frame(_pack_batches([c.tokens for c in cuts]))
                + _frame(state))
     cmd = list(prefix) + [sys.executable, "-m", "prism_challenge.heldout", "--stdin"]
-    env = dict(os.environ)
-    threads = str(int(config.get("threads", 1)))
-    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONHASHSEED": "0",
-                "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    env = {**os.environ, **compute_env(int(config.get("threads", 1)))}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True)
     try:

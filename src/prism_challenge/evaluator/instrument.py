@@ -16,11 +16,13 @@ ideal arithmetic-coding lengths ``-log2 p``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class ContractError(RuntimeError):
@@ -81,7 +83,7 @@ def check_logits(logits: object, batch: int, seq_len: int, vocab_size: int) -> t
 
 
 def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
-                probe: tuple[int, int] | None = None) -> float:
+                probe: tuple[int, int] | None = None, census: TorchDispatchMode | None = None) -> float:
     """Total nats of ``tokens[:, 1:]`` under ``model`` in eval mode (see module docstring).
 
     Args:
@@ -91,6 +93,8 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
         probe: ``(k, shift[, row])``: also run the causality probe (:func:`check_causal`) on
             row ``row`` (default 0) with every token at positions ``>= k`` replaced by
             ``(token + shift) mod V``.
+        census: a :class:`~prism_challenge.evaluator.census.TensorCensus` to take on the scored
+            forward (it only observes: the logits are the same).
 
     Returns:
         Total nats (float64 sum of float32 per-target losses); may be ``inf``/``nan``.
@@ -103,7 +107,9 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
     model.eval()
     try:
         with torch.no_grad():
-            logits = check_logits(model(tokens), tokens.shape[0], tokens.shape[1], vocab_size)
+            with census if census is not None else contextlib.nullcontext():
+                out = model(tokens)
+            logits = check_logits(out, tokens.shape[0], tokens.shape[1], vocab_size)
             if logits.shape[2] != vocab_size:
                 logits = logits[..., :vocab_size]
             if probe is not None:

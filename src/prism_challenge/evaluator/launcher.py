@@ -2,8 +2,9 @@
 
 ``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.rank``
 runs as a child process in its own process group (so the whole tree can be stopped), with
-stdout and stderr going to the run's log file. The environment fixes the thread count and
-cuBLAS's deterministic workspace before anything in the child starts.
+stdout and stderr going to the run's log file. The environment (:func:`compute_env`) fixes the
+thread count, cuBLAS's deterministic workspace and huge-page allocation before anything in the
+child starts.
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ def sandbox_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
     return env
 
 
+def compute_env(threads: int) -> dict[str, str]:
+    """The variables every process that runs the submission's model gets (ranks, held-out child).
+
+    * ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``: the fixed intra-op thread count.
+    * ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: cuBLAS's deterministic mode (read when CUDA starts).
+    * ``PYTHONHASHSEED=0``: the same ``str`` hashes in every run.
+    * ``THP_MEM_ALLOC_ENABLE=1``: PyTorch's CPU allocator aligns tensors of 2 MiB or more to
+      2 MiB and asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``; effective where
+      ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). A scoring
+      forward of the example allocates ~1.5 GB of logits per batch; with 4 KiB pages the kernel
+      zero-fills them one fault at a time (about 460,000 faults per batch, more system than user
+      time), and the run takes twice as long (``bench/overhead.py``). Values are unchanged: the
+      same kernels run on the same numbers, only the page size differs.
+    """
+    n = str(int(threads))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+            "PYTHONHASHSEED": "0", "THP_MEM_ALLOC_ENABLE": "1"}
+
+
 @dataclass
 class Launched:
     """A started torchrun process tree."""
@@ -106,7 +126,7 @@ def launch(
         nproc: ranks on this node (1..8).
         env_extra: variables for the runner (feeder socket and token).
         log_path: file that receives the children's stdout and stderr.
-        threads: intra-op CPU threads per rank (``OMP_NUM_THREADS``).
+        threads: intra-op CPU threads per rank (see :func:`compute_env`).
         cwd: working directory of the children (the run's artifacts directory).
         wrap: an isolation prefix (e.g. a bubblewrap argv) placed before the command.
         clean_env: pass only :func:`sandbox_env` of this environment (tokens, keys and other
@@ -118,10 +138,7 @@ def launch(
     cmd = (wrap or []) + torchrun_command(nproc)
     env = sandbox_env(os.environ) if clean_env else dict(os.environ)
     env.update(env_extra)
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["MKL_NUM_THREADS"] = str(threads)
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    env["PYTHONHASHSEED"] = "0"
+    env.update(compute_env(threads))
     env["PYTHONUNBUFFERED"] = "1"
     env["TORCHELASTIC_ERROR_FILE"] = str(log_path.with_suffix(".error.json"))
     log_path.parent.mkdir(parents=True, exist_ok=True)

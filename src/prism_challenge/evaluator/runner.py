@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.census import TensorCensus, unique_elements
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
-from prism_challenge.gates.param_count import count_unique_elements
+from prism_challenge.gates.param_count import count_unique_elements, module_tensors
 from prism_challenge.tokenizers import ReferenceTokenizer
 
 ENV_SOCKET = "PRISM_FEEDER_SOCKET"
@@ -158,10 +159,13 @@ class Runtime:
             if self.device != "cpu":
                 tokens = tokens.to(self.device, non_blocking=False)
             probe = header.get("probe")
+            census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
-                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None)
+                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None, census)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
+            if census is not None:
+                self._check_census(model, census, tokens, step)
             protocol.send_small(
                 self.sock,
                 (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
@@ -175,6 +179,24 @@ class Runtime:
                 protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
                 raise
             step += 1
+
+
+    def _check_census(self, model: nn.Module, census: TensorCensus, tokens: torch.Tensor, step: int) -> None:
+        """Hold what the scored forward read (registered or not) to the parameter cap.
+
+        Raises:
+            ContractError: the model's registered tensors together with every other tensor its
+                forward read (see :mod:`~prism_challenge.evaluator.census`) exceed the cap.
+        """
+        registered = [t for group in module_tensors(model) for t in group]
+        count = unique_elements(registered, census.tensors(exclude=tokens))
+        cap = int(self.config["max_parameters"])
+        if count > cap:
+            raise self.contract_error(
+                f"batch {step}: the scored forward read {count:,} unique tensor elements (parameters, buffers "
+                f"and tensors held outside the module tree), over the cap of {cap:,}; the model holds "
+                f"{count_unique_elements(model)[0]:,} in its module tree"
+            )
 
 
 def _peak_memory() -> dict[str, int]:
