@@ -347,14 +347,54 @@ def build_model(ctx):
 """
 
 
-def test_weights_held_outside_the_module_tree_count_against_the_cap(tmp_path):
-    # every gate passes: the module tree holds 257 elements (the bias), under the cap of 5,000; the
-    # scored forward of the first batch reads 257*64 + 64*257 + 257 = 33,153 and the run fails there
-    o = run(tmp_path, write_bundle(tmp_path / "b", HIDDEN_BANK_ARCH), token_budget=3000, max_parameters=5000,
+def test_weights_held_in_a_plain_object_count_against_the_cap(tmp_path):
+    # the parameter gate walks plain objects too: 257*64 + 64*257 + 257 = 33,153 > 5,000
+    with pytest.raises(EvalFailure) as err:
+        run(tmp_path, write_bundle(tmp_path / "b", HIDDEN_BANK_ARCH), token_budget=3000, max_parameters=5000,
+            run_gates=True)
+    assert err.value.stage == "gates" and "prism:param-cap" in err.value.detail and "33,153" in err.value.detail
+    # without the gates, the runner refuses it when the stream starts
+    o = run(tmp_path, write_bundle(tmp_path / "b2", HIDDEN_BANK_ARCH), token_budget=3000, max_parameters=5000)
+    assert o.failure is not None and o.failure.stage == "contract", o.failure
+    assert "the model holds 33,153 unique parameter and buffer elements" in o.failure.message
+
+
+LAZY_GLOBAL_ARCH = """
+import torch
+from torch import nn
+
+TABLE = {}
+
+
+class Lazy(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.v = v
+        self.bias = nn.Parameter(torch.zeros(v))
+
+    def forward(self, tokens):
+        if tokens.shape[1] > 8 and "w" not in TABLE:  # never in the parameter gate's [1, 8] forward
+            TABLE["w"] = torch.randn(self.v, 64) * 0.1
+            TABLE["h"] = torch.randn(64, self.v) * 0.1
+        if "w" in TABLE:
+            return TABLE["w"][tokens] @ TABLE["h"] + self.bias
+        return torch.zeros(tokens.shape[0], tokens.shape[1], self.v) + self.bias
+
+
+def build_model(ctx):
+    return Lazy(ctx.vocab_size)
+"""
+
+
+def test_weights_nothing_in_the_model_refers_to_are_caught_by_the_census(tmp_path):
+    # every gate passes (the table does not exist yet when the gate measures 257 elements); the
+    # table is made inside batch 0's forward (not charged there), and batch 1, always probed, reads
+    # it from outside: 257*64 + 64*257 + 257 = 33,153 > 5,000
+    o = run(tmp_path, write_bundle(tmp_path / "b", LAZY_GLOBAL_ARCH), token_budget=3000, max_parameters=5000,
             run_gates=True)
     assert o.failure is not None and o.failure.stage == "contract", o.failure
-    assert "batch 0: the scored forward read 33,153 unique tensor elements" in o.failure.message
-    assert "over the cap of 5,000" in o.failure.message and "holds 257 in its module tree" in o.failure.message
+    assert "batch 1: the scored forward read 33,153 unique tensor elements" in o.failure.message
+    assert "over the cap of 5,000" in o.failure.message and "257 of them are reachable" in o.failure.message
     assert o.manifest["status"] == "failed" and o.manifest["score"] is None
 
 

@@ -287,3 +287,35 @@ def test_count_ignores_overridden_accessors():
             return iter(())
 
     assert count_unique_elements(Sneaky())[0] == 100 * 100 + 100
+
+
+def test_tensors_held_in_plain_objects_closures_and_optimizers_are_counted():
+    import torch
+    from torch import nn
+
+    class Bank:  # a plain object, not a Module
+        def __init__(self):
+            self.rows = [torch.zeros(10) for _ in range(30)]  # 300, one storage per row
+
+    class Slotted:
+        __slots__ = ("w",)
+
+        def __init__(self):
+            self.w = torch.zeros(7)
+
+    def make(table):
+        return lambda tokens: table[tokens]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 3)  # 6 + 3
+            self.bank = Bank()
+            self.slot = Slotted()
+            self.lookup = make(torch.zeros(11))  # in a closure
+            self.opt = torch.optim.Adam(self.lin.parameters())  # its params only, never its state
+
+    m = Model()
+    m.lin(torch.zeros(1, 2)).sum().backward()
+    m.opt.step()  # Adam state: 2 x 9 more elements, not capacity
+    assert count_unique_elements(m)[0] == 9 + 300 + 7 + 11

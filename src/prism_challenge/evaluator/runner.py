@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from prism_challenge.evaluator import protocol
-from prism_challenge.evaluator.census import TensorCensus, unique_elements
+from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
-from prism_challenge.gates.param_count import count_unique_elements, module_tensors
+from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
 
 ENV_SOCKET = "PRISM_FEEDER_SOCKET"
@@ -124,11 +124,12 @@ class Runtime:
             raise self.contract_error(
                 f"iter_train_batches: batch_size*seq_len = {batch_size * seq_len} exceeds {MAX_BATCH_TOKENS} tokens"
             )
-        count = count_unique_elements(model)[0]
+        count = self._reachable(model)
         if count > ctx.max_parameters:
             raise self.contract_error(
-                f"iter_train_batches(model=...): the model holds {count:,} unique parameter and buffer elements, "
-                f"over the cap of {ctx.max_parameters:,} (the scored model is held to the cap, not only build_model's)"
+                f"iter_train_batches(model=...): the model holds {count:,} unique parameter and buffer elements "
+                f"(tensors reachable from it included), over the cap of {ctx.max_parameters:,} (the scored model "
+                f"is held to the cap, not only build_model's)"
             )
         if tokenizer is not None:
             name = tokenizer.name if isinstance(tokenizer, ReferenceTokenizer) else repr(tokenizer)
@@ -188,15 +189,25 @@ class Runtime:
             ContractError: the model's registered tensors together with every other tensor its
                 forward read (see :mod:`~prism_challenge.evaluator.census`) exceed the cap.
         """
-        registered = [t for group in module_tensors(model) for t in group]
-        count = unique_elements(registered, census.tensors(exclude=tokens))
+        reachable = [t for group in self._walk(model) for t in group]
+        count = unique_elements(reachable + census.tensors(exclude=tokens))
         cap = int(self.config["max_parameters"])
         if count > cap:
             raise self.contract_error(
                 f"batch {step}: the scored forward read {count:,} unique tensor elements (parameters, buffers "
-                f"and tensors held outside the module tree), over the cap of {cap:,}; the model holds "
-                f"{count_unique_elements(model)[0]:,} in its module tree"
+                f"and tensors held anywhere else), over the cap of {cap:,}; {unique_elements(reachable):,} of them "
+                f"are reachable from the model"
             )
+
+    def _walk(self, model: nn.Module) -> tuple[list, list, list]:
+        try:
+            return module_tensors(model)
+        except ObjectGraphTooLarge as exc:
+            raise self.contract_error(str(exc)) from None
+
+    def _reachable(self, model: nn.Module) -> int:
+        """Unique elements of every tensor reachable from ``model`` (:func:`module_tensors`)."""
+        return unique_elements([t for group in self._walk(model) for t in group])
 
 
 def _peak_memory() -> dict[str, int]:

@@ -23,6 +23,7 @@ Only bundles that passed the AST sandbox reach this child.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -42,34 +43,84 @@ DUMMY_BATCH = (1, 8)
 """Shape of the token batch of the realizing forward pass."""
 
 
-def _storage_key(t: Any) -> tuple[object, int]:
-    """(dedup key, elements) of the storage a tensor views (see :func:`count_unique_elements`)."""
+MAX_WALK_OBJECTS = 2_000_000
+"""Objects :func:`module_tensors` visits at most; a model that holds more is refused."""
+
+
+class ObjectGraphTooLarge(ValueError):
+    """The model's object graph is too large to account for its tensors."""
+
+
+def storage_key(t: Any) -> tuple[object, int]:
+    """(dedup key, elements) of the storage a tensor or numpy array views.
+
+    The key is (device, data pointer); the elements are the storage's bytes over the element
+    size, so a small view of a large storage is charged for the whole storage. A complex element
+    counts as two (its real and imaginary parts are two trainable numbers). Tensors without a
+    data pointer (meta, zero-size, uninitialized) are keyed by identity and count ``numel()``.
+    """
+    import numpy as np
+
+    if isinstance(t, np.ndarray):
+        base = t
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        per = 2 if base.dtype.kind == "c" else 1
+        return ("cpu", base.__array_interface__["data"][0]), base.nbytes // max(base.itemsize, 1) * per
+    per = 2 if t.is_complex() else 1
     try:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        elements = storage.nbytes() // max(t.element_size(), 1)
+        elements = storage.nbytes() // max(t.element_size(), 1) * per
     except (RuntimeError, NotImplementedError, TypeError):
-        ptr, elements = 0, t.numel()
+        ptr, elements = 0, t.numel() * per
     if not ptr:
-        return ("tensor", id(t)), max(elements, t.numel())
+        return ("tensor", id(t)), max(elements, t.numel() * per)
     return (str(t.device), ptr), elements
 
 
-def _unique(tensors: list) -> int:
+def unique_elements(tensors: list) -> int:
+    """Unique storage elements over ``tensors`` (torch tensors or numpy arrays): each storage
+    once, charged at its largest element count among the views given (the smallest dtype it
+    is read as), see :func:`storage_key`."""
     sizes: dict[object, int] = {}
     for t in tensors:
-        key, elements = _storage_key(t)
+        key, elements = storage_key(t)
         sizes[key] = max(sizes.get(key, 0), elements)
     return sum(sizes.values())
 
 
+_unique = unique_elements
+
+_SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
+
+
 def module_tensors(module: Any) -> tuple[list, list, list]:
-    """(parameters, buffers, other tensors) held by a module tree, read from the instances'
-    ``__dict__`` (``_parameters``, ``_buffers``, ``_modules`` and plain attributes, lists,
-    tuples and dicts included), so a module that overrides ``named_parameters`` or keeps
-    layers in a plain list hides nothing. Uninitialized (lazy) parameters are included."""
+    """(parameters, buffers, other tensors) reachable from a model, read from the objects'
+    ``__dict__`` and ``__slots__`` (never through attribute hooks the model defines).
+
+    Module trees are read from ``_parameters``, ``_buffers``, ``_modules`` and plain attributes,
+    so a module that overrides ``named_parameters`` or keeps layers in a plain list hides
+    nothing. Beyond modules the walk enters lists, tuples, sets, dict values, plain objects
+    (``self.bank = Bank()`` holding tensors), functions' closures and defaults and bound methods'
+    objects; numpy arrays count as other tensors. The harness's own objects (``PrismContext``, a
+    reference tokenizer) are not entered. An optimizer contributes only the parameters
+    of its ``param_groups`` (its per-parameter state is not model capacity). Classes and
+    modules (Python modules) are not entered: module-level tensors are
+    :func:`bundle_global_tensors`. Uninitialized (lazy) parameters are included.
+
+    Raises:
+        ObjectGraphTooLarge: more than ``MAX_WALK_OBJECTS`` objects are reachable.
+    """
+    import types
+
+    import numpy as np
     import torch
 
+    from prism_challenge.evaluator.interface import PrismContext
+    from prism_challenge.tokenizers import ReferenceTokenizer
+
+    harness = (PrismContext, ReferenceTokenizer)  # the challenge's objects: a tokenizer's byte table is not capacity
     params: list = []
     buffers: list = []
     others: list = []
@@ -77,13 +128,20 @@ def module_tensors(module: Any) -> tuple[list, list, list]:
     stack: list[tuple[object, int]] = [(module, 0)]
     while stack:
         obj, depth = stack.pop()
-        if id(obj) in seen or depth > 64:
+        if isinstance(obj, _SCALARS) or id(obj) in seen or depth > 64:
             continue
         seen.add(id(obj))
+        if len(seen) > MAX_WALK_OBJECTS:
+            raise ObjectGraphTooLarge(f"the model reaches more than {MAX_WALK_OBJECTS:,} objects; "
+                                      "its parameters cannot be accounted for")
+        nxt = depth + 1
         if isinstance(obj, torch.nn.Parameter):
             params.append(obj)
         elif isinstance(obj, torch.Tensor):
             others.append(obj)
+        elif isinstance(obj, np.ndarray):
+            if obj.dtype.kind in "biufc":
+                others.append(obj)
         elif isinstance(obj, torch.nn.Module):
             d = object.__getattribute__(obj, "__dict__")
             for slot, out in (("_parameters", params), ("_buffers", buffers)):
@@ -95,12 +153,49 @@ def module_tensors(module: Any) -> tuple[list, list, list]:
                             seen.add(id(t))
             for key, value in dict.items(d):
                 if key not in ("_parameters", "_buffers"):
-                    stack.append((value, depth + 1))
+                    stack.append((value, nxt))
         elif isinstance(obj, dict):
-            stack.extend((v, depth + 1) for v in dict.values(obj))
+            stack.extend((v, nxt) for v in dict.values(obj))
         elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend((v, depth + 1) for v in obj)
+            stack.extend((v, nxt) for v in obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            groups = object.__getattribute__(obj, "__dict__").get("param_groups")
+            if isinstance(groups, list):
+                stack.extend((g.get("params"), nxt) for g in groups if isinstance(g, dict))
+        elif isinstance(obj, (types.ModuleType, type, *harness)):
+            continue
+        elif isinstance(obj, types.FunctionType):
+            stack.extend((c.cell_contents, nxt) for c in (obj.__closure__ or ()) if _filled(c))
+            stack.extend((v, nxt) for v in (obj.__defaults__ or ()))
+            stack.extend((v, nxt) for v in (obj.__kwdefaults__ or {}).values())
+        elif isinstance(obj, types.MethodType):
+            stack.append((obj.__self__, nxt))
+            stack.append((obj.__func__, nxt))
+        elif isinstance(obj, functools.partial):
+            stack.extend((v, nxt) for v in (obj.func, obj.args, obj.keywords))
+        else:
+            stack.extend((v, nxt) for v in _instance_values(obj))
     return params, buffers, others
+
+
+def _instance_values(obj: object) -> list:
+    """The values of a plain object's instance ``__dict__`` and ``__slots__`` (no hooks run)."""
+    out: list = []
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        d = None
+    if isinstance(d, dict):
+        out.extend(dict.values(d))
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                try:
+                    out.append(object.__getattribute__(obj, name))
+                except (AttributeError, TypeError):
+                    pass
+    return out
 
 
 def count_unique_elements(module: Any) -> tuple[int, int, int]:
