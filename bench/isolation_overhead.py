@@ -33,15 +33,15 @@ def main() -> None:
     p.add_argument("--bare", action="store_true", help="also time the bare loop (bench/overhead.py) per bundle")
     a = p.parse_args()
     print(f"sandbox backend: {available_backend()}")
-    for name, bundle, tokens, batch, seq_len, vocab in overhead.bench_cases(a):
+    for name, bundle, tokens, batch, seq_len, vocab, repeats in overhead.bench_cases(a):
         res: dict[str, list[dict]] = {"strict": [], "none": []}
-        for _ in range(a.repeats):
+        for _ in range(repeats):
             for mode in ("strict", "none"):
                 res[mode].append(overhead.run_harness(bundle, tokens, seq_len, a.threads, mode, heldout_bytes=200_000))
         med = {m: {k: statistics.median(r[k] for r in rs) for k in ("total", "stream")} for m, rs in res.items()}
         assert res["strict"][0]["bpb"] == res["none"][0]["bpb"], "isolation changed the score"
         s, n = med["strict"], med["none"]
-        print(f"== {name}: {tokens:,} tokens, {a.repeats} repeats (medians), {a.threads} threads")
+        print(f"== {name}: {tokens:,} tokens, {repeats} repeats (medians), {a.threads} threads")
         print(f"   launch->last batch: strict {s['total']:.3f} s, none {n['total']:.3f} s, ratio {s['total'] / n['total']:.3f}")
         print(f"   steady stream:      strict {s['stream']:.3f} s, none {n['stream']:.3f} s, ratio {s['stream'] / n['stream']:.3f}")
         hs = [r["heldout"] for r in res["strict"] if r["heldout"] is not None]
@@ -52,7 +52,7 @@ def main() -> None:
                 npz = Path(d) / "batches.npz"
                 overhead.cut_batches(bundle, tokens, batch, seq_len, npz)
                 bare = statistics.median(overhead.run_bare(bundle, npz, vocab, seq_len, a.threads)["total"]
-                                         for _ in range(a.repeats))
+                                         for _ in range(repeats))
             print(f"   vs bare loop: strict time ratio {s['total'] / bare:.3f}, none time ratio {n['total'] / bare:.3f}")
 
 
