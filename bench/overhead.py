@@ -20,8 +20,10 @@ Bundles: ``examples/tiny-1m`` (model-bound, GPT-2 tokenizer) and ``bench/bundles
 (an 8-dim embedding and a linear head on the ``bytes`` tokenizer, batch 8 x 1024, 1M tokens).
 Goals (issue 2): time ratio <= 1.02 on the example; throughput ratio >= 0.95 on the trivial one.
 
-Harness and bare runs alternate; medians are printed. Usage:
-``python bench/overhead.py [--repeats 3] [--trivial-repeats 9] [--example-tokens 100000]``
+Harness and bare runs alternate in ABBA order (on this 2-core VM the second run of a back-to-back
+pair is often the faster one, by up to a third on the trivial bundle); medians are printed, and
+every run. Usage:
+``python bench/overhead.py [--repeats 4] [--trivial-repeats 10] [--example-tokens 100000] [--only trivial]``
 """
 
 from __future__ import annotations
@@ -91,23 +93,25 @@ def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int)
 def bench_arguments(description: str) -> argparse.ArgumentParser:
     """The options every harness benchmark shares: repeats, token budgets, threads per rank."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--repeats", type=int, default=3, help="runs per side for the example (medians)")
-    p.add_argument("--trivial-repeats", type=int, default=9,
+    p.add_argument("--repeats", type=int, default=4, help="runs per side for the example (medians)")
+    p.add_argument("--trivial-repeats", type=int, default=10,
                    help="runs per side for the trivial bundle: its stream lasts ~1-2 s, where this 2-core VM's "
-                        "run-to-run noise is +-25 %%, so it takes more repeats (about 9 s a pair)")
+                        "run-to-run noise is +-25 %%, so it takes more repeats (about 8 s a pair)")
     p.add_argument("--example-tokens", type=int, default=100_000)
     p.add_argument("--trivial-tokens", type=int, default=1_000_000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", choices=["example", "trivial"], help="run one of the two bundles")
     return p
 
 
 def bench_cases(a: argparse.Namespace) -> list[tuple[str, str, int, int, int, int, int]]:
     """(name, bundle, tokens, batch, seq_len, vocab, repeats) of the two benchmark bundles."""
-    return [
+    cases = [
         ("example (tiny-1m, gpt2)", str(ROOT / "examples" / "tiny-1m"), a.example_tokens, 4, 256, 50257, a.repeats),
         ("trivial (bytes, 8x1024)", str(ROOT / "bench" / "bundles" / "trivial"), a.trivial_tokens, 8, 1024, 257,
          a.trivial_repeats),
     ]
+    return [c for c in cases if a.only is None or c[0].startswith(a.only)]
 
 
 def main() -> None:
@@ -119,9 +123,12 @@ def main() -> None:
             npz = Path(d) / "batches.npz"
             cut_batches(bundle, tokens, batch, seq_len, npz)
             h, b = [], []
-            for _ in range(repeats):
+            for i in range(repeats):  # ABBA order: on this VM the second run of a pair is often faster
+                if i % 2:
+                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
                 h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation))
-                b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
+                if not i % 2:
+                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
         he, ht, bt = med(h, "exposed"), med(h, "total"), med(b, "total")
         hs, bs = med(h, "stream"), med(b, "stream")
@@ -132,6 +139,9 @@ def main() -> None:
               f"time ratio {ht / bt:.3f}, throughput ratio {bt / ht:.3f}")
         print(f"   steady stream: harness {hs:.3f} s, bare {bs:.3f} s -> time ratio {hs / bs:.3f}, throughput ratio {bs / hs:.3f}")
         print(f"   gates {med(h, 'gates'):.3f} s, after stream {med(h, 'after'):.3f} s, prequential_bpb {h[0]['bpb']:.6f}")
+        print(f"   every run (s): harness after the gates {[round(x['exposed'], 2) for x in h]}, "
+              f"bare {[round(x['total'], 2) for x in b]}; streams harness {[round(x['stream'], 2) for x in h]}, "
+              f"bare {[round(x['stream'], 2) for x in b]}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after 
 LOG_TAIL_LINES = 12
 # The parent shares the cores with the ranks: it wakes rarely (an OMP thread of a rank that
 # loses its core stalls every other thread of that rank at the next barrier).
-WATCH_INTERVAL_S = 0.05
+WATCH_INTERVAL_S = 0.25  # the watch loop's period: few wake-ups on cores the ranks compute on
 GUARD_INTERVAL_S = 1.0
 DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
 DEFAULT_IDLE_TIMEOUT_S = 1800.0  # world size 1: silent this long after a batch -> stopped, scored
@@ -553,7 +553,8 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
     ``t_release``: when the run started (the gates' release); the wall-clock budget counts from it.
     """
     while proc.poll() is None:
-        time.sleep(WATCH_INTERVAL_S)
+        feeder.wake.wait(WATCH_INTERVAL_S)  # a failure or the last DONE wakes it at once
+        feeder.wake.clear()
         now = time.monotonic()
         if feeder.failed.is_set():
             time.sleep(0.5)  # let the runner finish writing its report, then stop the tree

@@ -288,6 +288,7 @@ class Feeder:
         self._t0 = time.monotonic()
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
+        self.wake = threading.Event()  # set on a failure, a DONE or a closed connection: the parent looks now
         self._rng = random.SystemRandom()
         self._probe_key = probe_key
         self._max_seq_len = int(config.get("sequence_length") or 1 << 30)
@@ -347,6 +348,7 @@ class Feeder:
                 self.result.error = {"stage": stage, "message": message, "traceback": tb, "rank": rank}
                 self.result.stop_reason = "failed"
         self.failed.set()
+        self.wake.set()
 
     def all_done(self) -> bool:
         """True once every rank reported DONE."""
@@ -434,6 +436,8 @@ class Feeder:
                 conn.close()
             except OSError:
                 pass
+        finally:
+            self.wake.set()  # a rank's connection ended: the parent looks at the tree now
 
     def _send(self, st: RankState, kind: Kind, header: dict[str, Any], payload: memoryview | bytes = b"") -> None:
         """Send a frame to a rank without ever blocking this (reading) thread.
@@ -621,6 +625,7 @@ class Feeder:
             self.result.done[st.rank] = header
             if not st.ended and not self.result.stop_reason:
                 self.result.stop_reason = "loop_stopped"
+        self.wake.set()
         if self.world_size > 1:
             self._check_lockstep()
             self._check_states()

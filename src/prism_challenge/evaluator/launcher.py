@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_NPROC = 8
+MONITOR_INTERVAL_S = 0.5  # torchrun's agent polls its ranks this often (its default 0.1 s wakes it 10x/s on
+# the cores the ranks compute on; a rank's exit is noticed at most this late, after its DONE was read)
 RUNNER_MODULE = "prism_challenge.evaluator.rank"  # ties the rank to the agent, then runs the runner
 
 
@@ -47,7 +49,7 @@ def torchrun_command(nproc: int) -> list[str]:
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
-        "--monitor-interval=0.1",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
         "-m",
         RUNNER_MODULE,
     ]
