@@ -319,3 +319,16 @@ def test_tensors_held_in_plain_objects_closures_and_optimizers_are_counted():
     m.lin(torch.zeros(1, 2)).sum().backward()
     m.opt.step()  # Adam state: 2 x 9 more elements, not capacity
     assert count_unique_elements(m)[0] == 9 + 300 + 7 + 11
+
+
+def test_a_model_reaching_too_many_objects_is_refused_not_walked_forever(monkeypatch):
+    import pytest
+    import torch
+
+    from prism_challenge.gates import param_count
+
+    monkeypatch.setattr(param_count, "MAX_WALK_OBJECTS", 1000)
+    m = torch.nn.Linear(2, 2)
+    m.junk = [[i] for i in range(1200)]  # 1,200 small lists (their ints are scalars, not counted)
+    with pytest.raises(param_count.ObjectGraphTooLarge, match="more than 1,000 objects"):
+        count_unique_elements(m)

@@ -90,7 +90,6 @@ def unique_elements(tensors: list) -> int:
     return sum(sizes.values())
 
 
-_unique = unique_elements
 
 _SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
 
@@ -199,16 +198,17 @@ def _instance_values(obj: object) -> list:
 
 
 def count_unique_elements(module: Any) -> tuple[int, int, int]:
-    """Unique storage elements of a module's parameters and buffers.
+    """Unique storage elements of a module's parameters and buffers: the parameter cap's count.
 
-    Parameters and buffers are found with :func:`module_tensors` (plain tensor attributes count
-    as buffers). Every tensor is charged for the whole storage it views, once per storage:
+    Parameters and buffers are found with :func:`module_tensors`: every tensor reachable from
+    the model (plain tensor attributes, tensors in plain objects, closures and numpy arrays
+    count as buffers). Every tensor is charged for the whole storage it views, once per storage:
     tied weights (one ``Parameter`` registered twice, or two parameters viewing one storage)
     count once, and a small view into a large hidden storage counts the large storage, since
     that memory travels with the model. Storages are keyed by (device, data pointer); tensors
     without a data pointer (meta, zero-size, uninitialized) count their own ``numel()`` each.
     Elements are ``storage bytes // element size`` (the largest such count when tensors of
-    different dtypes share a storage).
+    different dtypes share a storage; a complex element counts two).
 
     Returns:
         (unique elements of parameters and buffers together, of parameters, of buffers) — each
@@ -216,6 +216,7 @@ def count_unique_elements(module: Any) -> tuple[int, int, int]:
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module``.
+        ObjectGraphTooLarge: see :func:`module_tensors`.
     """
     import torch
 
@@ -223,7 +224,7 @@ def count_unique_elements(module: Any) -> tuple[int, int, int]:
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
     params, buffers, others = module_tensors(module)
     buffers = buffers + others
-    return _unique(params + buffers), _unique(params), _unique(buffers)
+    return unique_elements(params + buffers), unique_elements(params), unique_elements(buffers)
 
 
 def bundle_global_tensors(root: Path) -> list:
@@ -378,15 +379,18 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     lazy = uninitialized(model)
     if lazy:
         return {"ok": False, "kind": "lazy", "error": f"still uninitialized after one forward: {', '.join(lazy[:5])}"}
-    params, buffers, others = module_tensors(model)
+    try:
+        params, buffers, others = module_tensors(model)
+    except ObjectGraphTooLarge as exc:
+        return {"ok": False, "kind": "build", "error": str(exc)}
     held = bundle_global_tensors(root)
-    total = _unique(params + buffers + others + held)
+    total = unique_elements(params + buffers + others + held)
     return {
         "ok": True,
         "count": total,
-        "parameters": _unique(params),
-        "buffers": _unique(buffers + others),
-        "module_level": _unique(held),
+        "parameters": unique_elements(params),
+        "buffers": unique_elements(buffers + others),
+        "module_level": unique_elements(held),
         "seconds": round(time.perf_counter() - started, 3),
     }
 
