@@ -124,7 +124,7 @@ class Runtime:
             raise self.contract_error(
                 f"iter_train_batches: batch_size*seq_len = {batch_size * seq_len} exceeds {MAX_BATCH_TOKENS} tokens"
             )
-        count = self._reachable(model)
+        count = unique_elements(self._reachable(model))
         if count > ctx.max_parameters:
             raise self.contract_error(
                 f"iter_train_batches(model=...): the model holds {count:,} unique parameter and buffer elements "
@@ -181,7 +181,6 @@ class Runtime:
                 raise
             step += 1
 
-
     def _check_census(self, model: nn.Module, census: TensorCensus, tokens: torch.Tensor, step: int) -> None:
         """Hold what the scored forward read (registered or not) to the parameter cap.
 
@@ -189,7 +188,7 @@ class Runtime:
             ContractError: the model's registered tensors together with every other tensor its
                 forward read (see :mod:`~prism_challenge.evaluator.census`) exceed the cap.
         """
-        reachable = [t for group in self._walk(model) for t in group]
+        reachable = self._reachable(model)
         count = unique_elements(reachable + census.tensors(exclude=tokens))
         cap = int(self.config["max_parameters"])
         if count > cap:
@@ -199,15 +198,16 @@ class Runtime:
                 f"are reachable from the model"
             )
 
-    def _walk(self, model: nn.Module) -> tuple[list, list, list]:
+    def _reachable(self, model: nn.Module) -> list:
+        """Every tensor reachable from ``model`` (:func:`module_tensors`).
+
+        Raises:
+            ContractError: the model reaches too many objects to account for.
+        """
         try:
-            return module_tensors(model)
+            return [t for group in module_tensors(model) for t in group]
         except ObjectGraphTooLarge as exc:
             raise self.contract_error(str(exc)) from None
-
-    def _reachable(self, model: nn.Module) -> int:
-        """Unique elements of every tensor reachable from ``model`` (:func:`module_tensors`)."""
-        return unique_elements([t for group in self._walk(model) for t in group])
 
 
 def _peak_memory() -> dict[str, int]:

@@ -90,7 +90,6 @@ def unique_elements(tensors: list) -> int:
     return sum(sizes.values())
 
 
-
 _SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
 
 
@@ -164,9 +163,7 @@ def module_tensors(module: Any) -> tuple[list, list, list]:
         elif isinstance(obj, (types.ModuleType, type, *harness)):
             continue
         elif isinstance(obj, types.FunctionType):
-            stack.extend((c.cell_contents, nxt) for c in (obj.__closure__ or ()) if _filled(c))
-            stack.extend((v, nxt) for v in (obj.__defaults__ or ()))
-            stack.extend((v, nxt) for v in (obj.__kwdefaults__ or {}).values())
+            stack.extend((v, nxt) for v in _function_refs(obj))
         elif isinstance(obj, types.MethodType):
             stack.append((obj.__self__, nxt))
             stack.append((obj.__func__, nxt))
@@ -260,14 +257,20 @@ def bundle_global_tensors(root: Path) -> list:
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
         elif isinstance(obj, types.FunctionType) and obj.__module__ in names:
-            stack.extend(c.cell_contents for c in (obj.__closure__ or ()) if _filled(c))
-            stack.extend(obj.__defaults__ or ())
-            stack.extend((obj.__kwdefaults__ or {}).values())
+            stack.extend(_function_refs(obj))
         elif isinstance(obj, type) and obj.__module__ in names:
             stack.extend(vars(obj).values())
         elif isinstance(obj, (staticmethod, classmethod)):
             stack.append(obj.__func__)
     return found
+
+
+def _function_refs(fn: Any) -> list:
+    """What a function holds: its closure cells' contents, defaults and keyword defaults."""
+    out = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+    out += list(fn.__defaults__ or ())
+    out += list((fn.__kwdefaults__ or {}).values())
+    return out
 
 
 def _filled(cell: Any) -> bool:
