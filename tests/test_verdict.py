@@ -200,3 +200,11 @@ def test_build_verdict_without_heldout_flags_it_and_applies_no_penalty():
     assert v.final_score == pytest.approx(1 / (1 + 60 / LN2 / 10))
     with pytest.raises(VerdictError):
         build_verdict(1.0, [], 257, None)
+
+
+def test_rank_puts_zeroed_runs_after_every_other_run():
+    # a non-causal cheat (bpb 0.40, held-out probe failed: anti-cheat 0) must not lead the board
+    cheat = {**E("cheat", 0.40, None, 0), "anti_cheat_multiplier": 0.0, "final_score": 0.0}
+    smuggler = {**E("smuggler", 0.90, 2.0, 1), "final_score": 0.0}
+    honest = [E("a", 4.65, 0.3, 2), E("b", 5.10, 0.1, 3)]
+    assert names(rank([cheat, smuggler, *honest])) == ["a", "b", "cheat", "smuggler"]

@@ -23,7 +23,7 @@ the held-out evaluation). Units: nats for losses, bits per UTF-8 byte (bpb) for 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -217,6 +217,10 @@ def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> l
     3. Groups in order; inside a group: ``heldout_delta`` descending (missing or NaN last), then
        ``prequential_bpb``, ``submitted_at``, ``id`` ascending.
 
+    Zeroed runs (``anti_cheat_multiplier == 0`` or ``final_score == 0``: flagged as smuggled
+    knowledge, or found non-causal by the held-out probe) are ranked after every other run,
+    among themselves in the same order: a cheat's low bpb never puts it ahead of an honest run.
+
     The result depends on the set of entries only, not on their input order (when ``id`` or
     the other keys tell every pair apart).
 
@@ -235,6 +239,15 @@ def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> l
         ident = _get(e, "id")
         return (float(_get(e, "prequential_bpb")), _get(e, "submitted_at"), "" if ident is None else str(ident))
 
+    def zeroed(e: Any) -> bool:
+        return _get(e, "anti_cheat_multiplier") == 0 or _get(e, "final_score") == 0
+
+    return _grouped([e for e in items if not zeroed(e)], epsilon, base_key) + _grouped(
+        [e for e in items if zeroed(e)], epsilon, base_key)
+
+
+def _grouped(items: list[Any], epsilon: float, base_key: Callable[[Any], tuple]) -> list[Any]:
+    """Steps 1-3 of :func:`rank` on ``items``."""
     ordered = sorted(items, key=base_key)
     out: list[Any] = []
     i = 0
