@@ -196,3 +196,13 @@ def test_huge_page_allocation_leaves_the_score_bitwise_unchanged():
         out[flag] = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=env, check=True,
                                    capture_output=True, text=True).stdout.strip()
     assert float(out["1"]) > 0 and out["0"] == out["1"]
+
+
+def test_non_finite_logits_are_charged_not_called_non_causal():
+    class Diverged(nn.Module):
+        def forward(self, tokens):
+            return torch.full((tokens.shape[0], tokens.shape[1], 257), float("nan"))
+
+    tokens = torch.randint(0, 257, (2, 16))
+    nats = score_batch(Diverged(), tokens, 257, probe=(5, 3, 1))  # probed: no "not causal" error
+    assert math.isnan(nats) and charge(nats, 30, 257) == (2 * math.log(257) * 30, False)

@@ -137,7 +137,8 @@ def check_causal(model: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, v
     first ``k`` positions' logits to equal ``logits[row, :k]`` within ``CAUSAL_RTOL`` of their
     largest magnitude. Running the row alone costs ``1/B`` of a scoring forward and also catches
     a model that mixes rows (consecutive rows are consecutive stretches of the stream, so a row
-    that sees the next one sees the future). The feeder picks which batches are probed, ``k`` and ``shift``, from a secret
+    that sees the next one sees the future). A row whose logits before ``k`` are not finite is
+    not compared (its batch is charged as non-finite). The feeder picks which batches are probed, ``k`` and ``shift``, from a secret
     random source; the submission cannot tell a probed batch from another before it is scored.
 
     Raises:
@@ -152,6 +153,8 @@ def check_causal(model: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, v
     with torch.random.fork_rng(devices=devices):  # the probe leaves the RNG streams as they were
         other = check_logits(model(changed), 1, t, vocab_size)[:, :k, :vocab_size].float()
     ref = logits[row : row + 1, :k].float()
+    if not bool(torch.isfinite(ref).all()):  # non-finite already: the batch is charged 2 ln V per target
+        return
     diff = float((other - ref).abs().max())
     scale = max(1.0, float(ref.abs().max()))
     if not diff <= CAUSAL_RTOL * scale:  # also catches nan
