@@ -398,6 +398,22 @@ def test_weights_nothing_in_the_model_refers_to_are_caught_by_the_census(tmp_pat
     assert o.manifest["status"] == "failed" and o.manifest["score"] is None
 
 
+def test_a_zip_bundle_is_scored_under_strict_isolation(tmp_path):
+    # the zip is extracted to a private temp folder; the sandbox (its own uid when run as root)
+    # must still read it, and the run scores the same as the directory it came from
+    import zipfile
+
+    src = write_bundle(tmp_path / "b", UNIFORM_ARCH)
+    with zipfile.ZipFile(tmp_path / "b.zip", "w") as z:
+        for f in sorted(src.iterdir()):
+            z.write(f, f.name)
+    o = run(tmp_path, tmp_path / "b.zip", token_budget=300, isolation="strict")
+    assert o.failure is None, o.failure
+    d = evaluate(EvalOptions(bundle=str(src), out_dir=str(tmp_path / "run2"), device="cpu", run_gates=False,
+                             heldout_bytes=0, token_budget=300, isolation="strict"))
+    assert o.manifest["score"]["prequential_bpb"] == d.manifest["score"]["prequential_bpb"]
+
+
 STUCK_LOOP = """
 def train(ctx):
     model = ctx.build_model()

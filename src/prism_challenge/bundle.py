@@ -366,6 +366,8 @@ def extract_zip(
         raise BundleError(f"{src}: cannot open ({exc.strerror})", "prism:bundle-unreadable") from None
     created = dest is None
     out = Path(tempfile.mkdtemp(prefix="prism-bundle-")) if dest is None else Path(dest)
+    if created:  # mkdtemp makes it 0700: a sandbox that runs as its own uid must read the bundle
+        out.chmod(0o755)
     try:
         with zf:
             members = _check_members(zf, limits)
