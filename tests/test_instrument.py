@@ -175,27 +175,41 @@ from prism_challenge.evaluator.instrument import score_batch
 torch.manual_seed(0)
 torch.set_num_threads(2)
 model = nn.Sequential(nn.Embedding(50257, 32), nn.Linear(32, 50257))  # logits of 4*128*50257*4 B = 103 MB
-tokens = torch.randint(0, 50257, (4, 128))
-print(repr(score_batch(model, tokens, 50257)))
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+scores = []
+for step in range(3):  # train between scorings: freed blocks are reused (or not) by the allocator
+    tokens = torch.randint(0, 50257, (4, 128))
+    scores.append(score_batch(model, tokens, 50257))
+    small = model[1](model[0](tokens[:, :16]))  # 8 MB of logits: a heap block under the 32 MiB threshold
+    loss = model(tokens).logsumexp(-1).mean() + small.square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(repr(scores))
 """
 
 
-def test_huge_page_allocation_leaves_the_score_bitwise_unchanged():
-    # the ranks run with THP_MEM_ALLOC_ENABLE=1 (launcher.compute_env): only the page size of
-    # tensors >= 2 MiB changes, never a value
+def test_compute_env_allocator_settings_leave_the_score_bitwise_unchanged():
+    # the ranks run with huge pages and glibc's fixed thresholds (launcher.compute_env): where
+    # tensors live and how pages are mapped change, never a value
     import os
     import subprocess
     import sys
 
     from prism_challenge.evaluator.launcher import compute_env
 
-    assert compute_env(2)["THP_MEM_ALLOC_ENABLE"] == "1"
-    out = {}
-    for flag in ("0", "1"):
-        env = {**os.environ, **compute_env(2), "THP_MEM_ALLOC_ENABLE": flag}
-        out[flag] = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=env, check=True,
-                                   capture_output=True, text=True).stdout.strip()
-    assert float(out["1"]) > 0 and out["0"] == out["1"]
+    env = compute_env(2)
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
+    allocator = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    base = {k: v for k, v in {**os.environ, **env}.items() if k not in allocator}
+    variants = {"glibc defaults, 4 KiB pages": base, "huge pages only": {**base, "THP_MEM_ALLOC_ENABLE": "1"},
+                "compute_env": {**os.environ, **env}}
+    out = {name: subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=e, check=True, capture_output=True,
+                                text=True).stdout.strip() for name, e in variants.items()}
+    scores = eval(out["compute_env"])  # noqa: S307 - our own probe's repr of a list of floats
+    assert len(scores) == 3 and all(s > 0 for s in scores) and scores[2] != scores[0]  # it trained
+    assert len(set(out.values())) == 1, out
 
 
 def test_non_finite_logits_are_charged_not_called_non_causal():
