@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -15,7 +18,9 @@ from prism_challenge.bundle import (
     extract_zip,
     load_bundle,
     open_bundle,
+    private_path,
     read_spec,
+    readable_copy,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +111,90 @@ def test_check_tree_returns_total_size_and_honours_limits(tmp_path):
         check_tree(tmp_path, IntakeLimits(max_files=1))
     assert err.value.rule == "prism:too-many-files"
     assert ALLOWED_SUFFIXES == {".py", ".yaml", ".yml", ".json", ".md", ".txt"}
+
+
+@pytest.mark.parametrize(
+    "text,expected,line",
+    [
+        (
+            "tokenizer: [unclosed\n",
+            "prism.yaml line 2: not valid YAML: expected ',' or ']', but got '<stream end>' "
+            "(while parsing a flow sequence from line 1)",
+            2,
+        ),
+        ("a: b\n\tc: d\n", "prism.yaml line 2: not valid YAML: found character '\\t' that cannot start any token", 2),
+        ("a: b: c\n", "prism.yaml line 1: not valid YAML: mapping values are not allowed here", 1),
+    ],
+)
+def test_malformed_yaml_is_one_line_naming_the_line(tmp_path, text, expected, line):
+    with pytest.raises(BundleError) as err:
+        spec(tmp_path, text)
+    assert str(err.value) == expected and "\n" not in str(err.value)
+    assert (err.value.rule, err.value.line) == ("prism:spec", line)
+
+
+def test_a_file_that_is_not_a_zip_is_refused_saying_what_a_bundle_is(tmp_path):
+    py = EXAMPLE / "training.py"
+    with pytest.raises(BundleError) as err:
+        open_bundle(py)
+    assert err.value.rule == "prism:bundle-unreadable"
+    assert str(err.value) == (
+        f"{py}: not a bundle: a bundle is a directory or a .zip holding architecture.py and training.py"
+    )
+    bad = tmp_path / "b.zip"  # named .zip but not one: still the zip rule
+    bad.write_bytes(b"not an archive")
+    with pytest.raises(BundleError) as err:
+        open_bundle(bad)
+    assert err.value.rule == "prism:bad-zip" and "not a valid zip archive" in str(err.value)
+
+
+def _private_bundle(root: Path) -> Path:
+    root.mkdir()
+    for p in EXAMPLE.iterdir():
+        (root / p.name).write_bytes(p.read_bytes())
+        (root / p.name).chmod(0o600)
+    (root / "sub").mkdir()
+    (root / "sub" / "notes.txt").write_text("hi\n")
+    root.chmod(0o700)
+    return root
+
+
+def test_a_private_directory_bundle_is_evaluated_from_a_readable_copy(tmp_path, monkeypatch):
+    src = _private_bundle(tmp_path / "mine")
+    assert private_path(src) == "."
+    src.chmod(0o755)
+    assert private_path(src) == "README.md"  # the first file (sorted) others cannot read
+    src.chmod(0o700)
+    assert open_bundle(src) == (src.resolve(), None)  # in place unless asked
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    root, copied = open_bundle(src, readable_by_others=True)
+    assert copied is not None and root == copied / "mine" and private_path(root) is None
+    modes = {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+    assert modes == {".": 0o755, "sub": 0o755, "sub/notes.txt": 0o644,
+                     **{p.name: 0o644 for p in EXAMPLE.iterdir()}}
+    assert stat.S_IMODE(copied.stat().st_mode) == 0o755
+    assert load_bundle(root).sha256 == load_bundle(src).sha256
+    # a world-readable bundle is used in place
+    for p in src.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    src.chmod(0o755)
+    assert open_bundle(src, readable_by_others=True) == (src.resolve(), None)
+
+
+def test_readable_copy_holds_the_intake_limits_and_leaves_nothing(tmp_path, monkeypatch):
+    src = _private_bundle(tmp_path / "mine")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(BundleError) as err:
+        readable_copy(src, IntakeLimits(max_source_bytes=100))
+    assert err.value.rule == "prism:source-too-large"
+    assert str(err.value) == "README.md: bundle files exceed 100 bytes in total"
+    with pytest.raises(BundleError) as err:
+        readable_copy(src, IntakeLimits(max_files=2))
+    assert err.value.rule == "prism:too-many-files"
+    os.symlink("/etc/passwd", src / "sub" / "link.txt")  # planted after intake: never followed
+    with pytest.raises(BundleError) as err:
+        readable_copy(src)
+    assert (err.value.rule, str(err.value)) == ("prism:symlink", "sub/link.txt: symlinks are not allowed in a bundle")
+    assert list((tmp_path / "tmp").iterdir()) == []

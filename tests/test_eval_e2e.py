@@ -4,11 +4,13 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 
 import pytest
 import torch
 
+from prism_challenge.bundle import load_bundle
 from prism_challenge.cli import main
 from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
@@ -430,3 +432,46 @@ def test_a_single_rank_stuck_after_a_batch_is_stopped_and_scored(tmp_path):
     st, s = o.manifest["stream"], o.manifest["score"]
     assert st["stop_reason"] == "stalled" and st["batches"] == 1 and st["targets"] == 30 == st["tokens"] - 1
     assert s["prequential_bpb"] == pytest.approx(math.log2(257) * s["targets"] / s["bytes"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["--nproc", "0"], "--nproc 0: must be between 1 and 8 processes on one node"),
+        (["--nproc", "9"], "--nproc 9: must be between 1 and 8 processes on one node"),
+        (["--out", "{full}"], "--out {full}: directory exists and is not empty (name a new or empty directory)"),
+        (["--out", "{file}"], "--out {file}: exists and is not a directory"),
+    ],
+)
+def test_a_bad_command_line_exits_2_with_one_line(tmp_path, capsys, argv, line):
+    full, file = tmp_path / "full", tmp_path / "file"
+    full.mkdir()
+    (full / "keep").write_text("x")
+    file.write_text("x")
+    argv = [a.format(full=full, file=file) for a in argv]
+    code = main(["eval", str(EXAMPLE), "--no-progress", "--token-budget", "100", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"prism eval failed at stage config: {line.format(full=full, file=file)}\n"
+    assert (full / "keep").read_text() == "x" and sorted(p.name for p in full.iterdir()) == ["keep"]
+
+
+def test_a_private_directory_bundle_is_scored_under_strict_isolation_as_root(tmp_path):
+    # the sandbox runs as its own uid when PRISM is root: a 0700 bundle of 0600 files is
+    # evaluated from a world-readable copy (removed after), with the same bundle sha256
+    from prism_challenge.evaluator.isolation import available_backend
+
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox uid differs from the bundle's owner only when run as root")
+    if available_backend() is None:
+        pytest.skip("no working sandbox backend (install bubblewrap, or allow unshare)")
+    src = write_bundle(tmp_path / "mine", UNIFORM_ARCH)
+    for p in src.iterdir():
+        p.chmod(0o600)
+    src.chmod(0o700)
+    o = run(tmp_path, src, token_budget=200, isolation="strict")
+    assert o.failure is None, o.failure
+    assert o.manifest["bundle"]["path"] == str(src)
+    assert o.manifest["bundle"]["sha256"] == load_bundle(src).sha256
+    assert o.manifest["stream"]["targets"] == 199
+    assert stat.S_IMODE(src.stat().st_mode) == 0o700  # the user's bundle is left as it was

@@ -295,3 +295,42 @@ def test_feeder_refuses_a_batch_shape_outside_the_run_limits(tmp_path):
     assert f.failed.wait(5)
     res = f.finish()
     assert "seq_len in 2..16" in res.error["message"] and not res.steps
+
+
+def test_frame_reader_reads_coalesced_split_and_oversized_frames_exactly():
+    # the buffered reader sees the same frames as the unbuffered one, however the bytes arrive:
+    # several frames in one write, one frame in many writes, payloads larger than its buffer
+    big = bytes(range(256)) * ((protocol.FrameReader.BUFFER * 3) // 256 + 7)  # 3x the buffer, not aligned
+    sent = [(Kind.RECORD, {"step": 0, "nats": 1.5}, b""), (Kind.NEXT, {"batch_size": 2, "seq_len": 8}, b""),
+            (Kind.BATCH, {"step": 1, "rows": 1, "seq_len": 3}, np.arange(3, dtype=np.int64).tobytes()),
+            (Kind.STATE, {"name": "w", "note": "x" * 300_000}, big), (Kind.DONE, {}, b"")]
+    wire = b"".join(protocol.encode(k, h, len(p)) + p for k, h, p in sent)
+    a, b = socket.socketpair()
+    try:
+        def write():
+            cut = [0, 5, 9, 11, 200, 70_000, 70_001, len(wire) // 2, len(wire)]
+            for lo, hi in zip(cut, cut[1:]):
+                a.sendall(wire[lo:hi])
+        t = threading.Thread(target=write)
+        t.start()
+        reader = protocol.FrameReader(b)
+        got = [reader.recv(max_payload=len(big)) for _ in sent]
+        t.join()
+    finally:
+        a.close()
+        b.close()
+    assert [(k, h, bytes(p)) for k, h, p in got] == sent
+    assert np.frombuffer(got[2][2], dtype=np.int64).tolist() == [0, 1, 2]
+
+
+def test_frame_reader_refuses_an_oversized_payload_before_reading_it():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(protocol.encode(Kind.RECORD, {"step": 0}, payload_length=1 << 20))
+        with pytest.raises(protocol.ProtocolError, match="oversized frame"):
+            protocol.FrameReader(b).recv(max_payload=0)
+        a.close()
+        with pytest.raises(protocol.ProtocolError, match="closed by peer"):
+            protocol.FrameReader(b).recv(max_payload=0)
+    finally:
+        b.close()

@@ -110,3 +110,56 @@ def test_check_example_exits_0_in_under_10_s():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "1,020,420" in proc.stdout
     assert elapsed < 10.0, elapsed
+
+
+def test_a_zip_bundle_is_named_as_given_never_by_its_temporary_extraction(tmp_path, capsys, monkeypatch):
+    root = hostile(tmp_path)
+    z = tmp_path / "some_bundle.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for p in sorted(root.iterdir()):
+            zf.write(p, p.name)
+    monkeypatch.chdir(tmp_path)
+    code, out = check(["some_bundle.zip", "--no-params"], capsys)
+    assert code == 1 and "prism-bundle-" not in out and "/tmp" not in out
+    assert out.startswith("bundle some_bundle.zip  architecture architecture.py:build_model")
+    assert "architecture.py:" in out and "prism:no-network" in out
+    code, out = check(["some_bundle.zip", "--no-params", "--json"], capsys)
+    data = json.loads(out)
+    assert data["bundle"]["source"] == "some_bundle.zip"
+    assert [(f["rule"], f["file"]) for f in data["findings"]] == [("prism:no-network", "architecture.py")]
+
+
+def test_finding_messages_name_the_zip_not_the_extraction_path(tmp_path):
+    from prism_challenge.gates.core import _unextracted
+    from prism_challenge.gates.findings import Finding
+
+    extracted = tmp_path / "prism-bundle-x"
+    root = extracted / "mybundle"
+    f = Finding("prism:build-error", "architecture.py", 3, 0, f"build_model(ctx): OSError: {root}/weights.txt: no")
+    assert _unextracted(f, root, extracted, "b.zip").message == "build_model(ctx): OSError: b.zip:weights.txt: no"
+    same = Finding("prism:build-error", "architecture.py", 3, 0, "ValueError: bad")
+    assert _unextracted(same, root, extracted, "b.zip") is same
+
+
+def test_a_file_that_is_not_a_bundle_exits_2_with_one_line(tmp_path, capsys):
+    py = EXAMPLE / "training.py"
+    code, out = check([str(py)], capsys)
+    assert code == 2
+    assert out == (
+        f"cannot read bundle prism:bundle-unreadable: {py}: not a bundle: "
+        "a bundle is a directory or a .zip holding architecture.py and training.py\n"
+    )
+
+
+def test_malformed_prism_yaml_is_one_finding_line_with_its_line_number(tmp_path, capsys):
+    root = hostile(tmp_path)
+    (root / "architecture.py").write_text((EXAMPLE / "architecture.py").read_text())
+    (root / "prism.yaml").write_text("tokenizer: [unclosed\n")
+    code, out = check([str(root), "--no-params", "--json"], capsys)
+    assert code == 1
+    (f,) = json.loads(out)["findings"]
+    assert (f["rule"], f["file"], f["line"], f["blocking"]) == ("prism:spec", "prism.yaml", 2, True)
+    assert f["message"] == (
+        "prism.yaml line 2: not valid YAML: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence from line 1)"
+    )

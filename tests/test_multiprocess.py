@@ -68,6 +68,6 @@ def test_ranks_that_drift_apart_are_caught(tmp_path):
                                           (["--nnodes", "2"], "single node")])
 def test_bad_layouts_are_refused_before_anything_runs(tmp_path, capsys, argv, needle):
     out = tmp_path / "never"
-    assert main(["eval", str(EXAMPLE), "--out", str(out), *argv]) == 1
+    assert main(["eval", str(EXAMPLE), "--out", str(out), *argv]) == 2  # a bad command line exits 2 (README: exit codes)
     assert needle in capsys.readouterr().err
     assert not out.exists()

@@ -50,11 +50,13 @@ class BundleError(ValueError):
     Attributes:
         rule: stable rule id (``prism:...``) of the broken intake rule; ``prism:bundle`` when the
             raiser did not name one.
+        line: 1-based line of the problem in the file the message names (``prism.yaml``), or 0.
     """
 
-    def __init__(self, message: str, rule: str = "prism:bundle") -> None:
+    def __init__(self, message: str, rule: str = "prism:bundle", line: int = 0) -> None:
         super().__init__(message)
         self.rule = rule
+        self.line = line
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,21 @@ class Bundle:
         return h.hexdigest()
 
 
-def _spec_error(message: str) -> BundleError:
-    return BundleError(message, rule="prism:spec")
+def _spec_error(message: str, line: int = 0) -> BundleError:
+    return BundleError(message, rule="prism:spec", line=line)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> BundleError:
+    """One line for PyYAML's multi-line error: ``prism.yaml line N: not valid YAML: <problem>``."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return _spec_error(f"{SPEC_FILE}: not valid YAML: {' '.join(str(exc).split())}")
+    line = mark.line + 1
+    message = f"{SPEC_FILE} line {line}: not valid YAML: {' '.join(str(problem).split())}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark.line != mark.line:
+        message += f" ({' '.join(str(context).split())} from line {context_mark.line + 1})"
+    return _spec_error(message, line)
 
 
 def _parse_entrypoint(spec: object, default: tuple[str, str], where: str) -> Entrypoint:
@@ -147,16 +162,19 @@ def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
     """Read ``prism.yaml`` (if any) and return (architecture, training, tokenizer name).
 
     Raises:
-        BundleError: (rule ``prism:spec``) malformed YAML, unknown fields, bad values, or both
-            entrypoints in one file; the message names the field.
+        BundleError: (rule ``prism:spec``) malformed YAML (one line,
+            ``prism.yaml line N: not valid YAML: <problem>``, with ``.line`` set), unknown
+            fields, bad values, or both entrypoints in one file; the message names the field.
     """
     path = root / SPEC_FILE
     data: dict = {}
     if path.is_file():
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise _spec_error(f"{SPEC_FILE}: not valid YAML: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise _yaml_error(exc) from None
+        except UnicodeDecodeError as exc:
+            raise _spec_error(f"{SPEC_FILE}: not valid UTF-8 (byte {exc.start})") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -424,27 +442,163 @@ def _bundle_root(out: Path) -> Path:
     return out
 
 
+NOT_A_BUNDLE = "a bundle is a directory or a .zip holding architecture.py and training.py"
+"""What a bundle is, for the message that refuses a path that is not one."""
+
+_OTHER_DIR = stat.S_IROTH | stat.S_IXOTH
+
+
+def private_path(root: str | os.PathLike[str]) -> str | None:
+    """The first path of a bundle directory that users other than its owner cannot read.
+
+    A directory needs ``o+rx`` (list and enter), a file ``o+r``; ``__pycache__`` is skipped
+    (bytecode is never imported). A sandbox that runs as its own unprivileged uid reads the
+    bundle with exactly these "other" bits.
+
+    Returns:
+        the bundle-relative POSIX path (``"."`` for the directory itself), or ``None`` when
+        everything is readable by others.
+    """
+    base = Path(root)
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+        here = Path(dirpath)
+        rel = here.relative_to(base).as_posix()
+        if here.stat().st_mode & _OTHER_DIR != _OTHER_DIR:
+            return rel
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        for name in sorted(filenames):
+            st = (here / name).lstat()
+            if stat.S_ISREG(st.st_mode) and not st.st_mode & stat.S_IROTH:
+                return (here / name).relative_to(base).as_posix()
+    return None
+
+
+def readable_copy(
+    root: str | os.PathLike[str], limits: IntakeLimits = IntakeLimits()
+) -> tuple[Path, Path]:
+    """Copy a bundle directory, once, into a fresh world-readable temporary directory.
+
+    For a sandbox that runs as its own uid (PRISM as root) when the bundle is private (see
+    :func:`private_path`): directories are made 0755 and files 0644, the bundle-relative paths
+    and contents are kept (so the bundle's sha256 is unchanged) and the copy keeps the folder's
+    name. Files are read with ``O_NOFOLLOW`` and the intake limits hold while copying; the copy
+    is checked again with :func:`check_tree`.
+
+    Returns:
+        (root of the copy, temporary directory): the caller owns the temporary directory and
+        removes it (``shutil.rmtree``) when done with the bundle.
+
+    Raises:
+        BundleError: an intake rule (``prism:symlink``, ``prism:special-file``,
+            ``prism:too-many-files``, ``prism:source-too-large``, ...) or
+            ``prism:bundle-unreadable`` when a file cannot be read; nothing is left on disk.
+    """
+    src = Path(root)
+    out = Path(tempfile.mkdtemp(prefix="prism-bundle-"))
+    try:
+        out.chmod(0o755)
+        dest = out / (src.name or "bundle")
+        dest.mkdir()
+        dest.chmod(0o755)
+        count = total = 0
+        for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
+            here = Path(dirpath)
+            there = dest / here.relative_to(src)
+            kept = []
+            for d in sorted(dirnames):
+                if d in SKIPPED_DIRS:
+                    continue
+                if (here / d).is_symlink():
+                    rel = (here / d).relative_to(src).as_posix()
+                    raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
+                (there / d).mkdir()
+                (there / d).chmod(0o755)
+                kept.append(d)
+            dirnames[:] = kept
+            for name in sorted(filenames):
+                rel = (here / name).relative_to(src).as_posix()
+                count += 1
+                if count > limits.max_files:
+                    raise BundleError(
+                        f"{rel}: more than {limits.max_files} files in the bundle", "prism:too-many-files"
+                    )
+                data = _read_regular(here / name, rel, limits.max_source_bytes - total + 1)
+                total += len(data)
+                if total > limits.max_source_bytes:
+                    raise BundleError(
+                        f"{rel}: bundle files exceed {limits.max_source_bytes} bytes in total",
+                        "prism:source-too-large",
+                    )
+                fd = os.open(there / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), 0o644)
+                    f.write(data)
+        check_tree(dest, limits)
+        return dest, out
+    except BundleError:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    except OSError as exc:
+        shutil.rmtree(out, ignore_errors=True)
+        where = exc.filename or src
+        raise BundleError(
+            f"{where}: cannot copy the bundle ({exc.strerror or exc})", "prism:bundle-unreadable"
+        ) from None
+
+
+def _read_regular(path: Path, rel: str, most: int) -> bytes:
+    """The bytes of a regular file, never through a symlink, at most ``most`` of them."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if path.is_symlink():
+            raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink") from None
+        raise BundleError(f"{rel}: cannot read ({exc.strerror or exc})", "prism:bundle-unreadable") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BundleError(f"{rel}: not a regular file", "prism:special-file")
+        _check_suffix(rel)
+        return f.read(max(most, 0))
+
+
 def open_bundle(
-    path: str | os.PathLike[str], limits: IntakeLimits = IntakeLimits()
+    path: str | os.PathLike[str],
+    limits: IntakeLimits = IntakeLimits(),
+    *,
+    readable_by_others: bool = False,
 ) -> tuple[Path, Path | None]:
     """Intake a bundle directory or ``.zip``: apply the intake rules and return its root.
 
+    Args:
+        path: the bundle directory or ``.zip`` file.
+        limits: intake limits.
+        readable_by_others: the bundle must be readable by users other than its owner (a
+            sandbox that runs as its own uid): a directory bundle that is not (see
+            :func:`private_path`) is evaluated from a :func:`readable_copy`. Zip bundles are
+            always extracted world-readable.
+
     Returns:
-        (bundle root, extraction directory or ``None`` for a directory bundle). For a zip the
-        extraction directory is a fresh temporary directory owned by the caller, who removes
-        it (``shutil.rmtree``) when done with the bundle.
+        (bundle root, extraction directory or ``None`` for a directory bundle used in place).
+        For a zip (or a copied directory) the extraction directory is a fresh temporary
+        directory owned by the caller, who removes it (``shutil.rmtree``) when done with it.
 
     Raises:
         BundleError: ``prism:bundle-unreadable`` when the path is neither a directory nor a
-            file, ``prism:bad-zip`` for a file that is not a zip, or the broken intake rule
-            (see :func:`check_tree` and :func:`extract_zip`).
+            file, or is a file that is neither a zip nor named ``.zip`` (the message says what
+            a bundle is, see :data:`NOT_A_BUNDLE`); ``prism:bad-zip`` for a ``.zip`` file
+            that is not a valid zip; or the broken intake rule (see :func:`check_tree` and
+            :func:`extract_zip`).
     """
     p = Path(path)
     if p.is_dir():
         root = p.resolve()
         check_tree(root, limits)
+        if readable_by_others and private_path(root) is not None:
+            return readable_copy(root, limits)
         return root, None
     if p.is_file():
+        if p.suffix.lower() != ".zip" and not zipfile.is_zipfile(p):
+            raise BundleError(f"{path}: not a bundle: {NOT_A_BUNDLE}", "prism:bundle-unreadable")
         return extract_zip(p, None, limits)
     raise BundleError(f"{path}: no such bundle directory or .zip file", "prism:bundle-unreadable")
 

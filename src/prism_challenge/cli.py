@@ -10,6 +10,10 @@ from typing import Any
 
 from prism_challenge import __version__
 
+EXIT_SCORED = 0
+EXIT_FAILED = 1  # the run failed: one line names the stage and reason
+EXIT_USAGE = 2  # a bad command line (argparse's own errors exit 2 too)
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -73,7 +77,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prism_challenge import evaluate as ev
-    from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
+    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure, EvalOptions, evaluate
     from prism_challenge.report import print_failure, print_summary
 
     console = Console(stderr=True)
@@ -112,17 +116,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     try:
         outcome = evaluate(opts, on_start=on_start, on_record=on_record)
-    except EvalFailure as exc:
+    except EvalFailure as exc:  # before a run directory exists: a bad command line exits 2
         progress.stop()
         print_failure(console, exc)
-        return 1
+        return EXIT_USAGE if exc.stage == USAGE_STAGE else EXIT_FAILED
     finally:
         progress.stop()
     if outcome.failure is not None:
         print_failure(console, outcome.failure, outcome.run_dir)
-        return 1
+        return EXIT_FAILED
     print_summary(Console(), outcome)
-    return 0
+    return EXIT_SCORED
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,8 +124,15 @@ class EvalOptions:
     policy: Policy = field(default_factory=Policy)
 
 
+USAGE_STAGE = "config"
+"""The stage of an :class:`EvalFailure` raised for a bad command line (an option that cannot be
+honoured: ``--nproc 9``, a non-empty ``--out``, ``--device cuda`` without CUDA); ``prism eval``
+exits 2 for it, 1 for every other failure."""
+
+
 class EvalFailure(RuntimeError):
-    """A run that could not be scored; ``stage`` names where it stopped."""
+    """A run that could not be scored; ``stage`` names where it stopped (:data:`USAGE_STAGE`:
+    a bad command line)."""
 
     def __init__(self, stage: str, message: str, detail: str = ""):
         super().__init__(f"{stage}: {message}")
@@ -154,10 +161,20 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise EvalFailure("config", f"--device {device!r}: must be auto, cpu or cuda")
+        raise EvalFailure(USAGE_STAGE, f"--device {device!r}: must be auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise EvalFailure("config", "--device cuda: no CUDA device is available")
+        raise EvalFailure(USAGE_STAGE, "--device cuda: no CUDA device is available")
     return device
+
+
+def _check_out_dir(run_dir: Path) -> None:
+    """Refuse an ``--out`` that is not a directory or not empty (stage ``config``)."""
+    if run_dir.exists() or run_dir.is_symlink():
+        if not run_dir.is_dir():
+            raise EvalFailure(USAGE_STAGE, f"--out {run_dir}: exists and is not a directory")
+        if any(run_dir.iterdir()):
+            raise EvalFailure(USAGE_STAGE, f"--out {run_dir}: directory exists and is not empty "
+                                           "(name a new or empty directory)")
 
 
 def _new_run_dir(opts: EvalOptions, bundle: Bundle) -> tuple[Path, bool]:
@@ -165,8 +182,7 @@ def _new_run_dir(opts: EvalOptions, bundle: Bundle) -> tuple[Path, bool]:
     fresh = True
     if opts.out_dir:
         run_dir = Path(opts.out_dir)
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise EvalFailure("config", f"--out {run_dir}: directory exists and is not empty")
+        _check_out_dir(run_dir)
         fresh = not run_dir.exists()
     else:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -229,22 +245,27 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
 
     Raises:
         EvalFailure: the bundle, gates, data or configuration stop the run before it starts
-            (a refused bundle's early-launched tree is killed and its run directory removed).
+            (a refused bundle's early-launched tree is killed and its run directory removed);
+            stage :data:`USAGE_STAGE` for an option that cannot be honoured (``--nproc 9``, an
+            ``--out`` that is not an empty directory), checked before the data is touched.
     """
     t_start = time.monotonic()
     try:
         check_layout(opts.nproc, opts.nnodes)
     except LaunchError as exc:
-        raise EvalFailure("config", str(exc)) from None
+        raise EvalFailure(USAGE_STAGE, str(exc)) from None
     if opts.seq_len < 2:
-        raise EvalFailure("config", f"--seq-len {opts.seq_len}: must be at least 2")
+        raise EvalFailure(USAGE_STAGE, f"--seq-len {opts.seq_len}: must be at least 2")
     if opts.isolation not in ("strict", "none"):
-        raise EvalFailure("config", f"--isolation {opts.isolation!r}: must be strict or none")
+        raise EvalFailure(USAGE_STAGE, f"--isolation {opts.isolation!r}: must be strict or none")
     device = _resolve_device(opts.device)
+    if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
+        _check_out_dir(Path(opts.out_dir))
 
-    # 1. intake (a .zip is extracted once; the gates and the runner see that one copy)
+    # 1. intake (a .zip is extracted once; the gates and the runner see that one copy). The
+    # sandbox of a root run is another uid: a private directory is evaluated from a readable copy
     try:
-        root, extracted = open_bundle(opts.bundle)
+        root, extracted = open_bundle(opts.bundle, readable_by_others=opts.isolation == "strict" and os.geteuid() == 0)
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     try:
@@ -465,7 +486,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         try:
             gated = _static_gates(opts, bundle.root)
             if gated.bundle_sha256 != bundle.sha256:
-                raise EvalFailure("intake", f"{bundle.root}: the bundle's files changed while the gates ran")
+                raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
             gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated)
         except BaseException:
             feeder.close()
@@ -672,7 +693,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         "status": "failed" if failure else "scored",
         "failure": None if failure is None else {"stage": failure.stage, "message": failure.message, "detail": failure.detail},
         "bundle": {
-            "path": str(bundle.root),
+            "path": str(Path(opts.bundle).resolve()),  # as given: not a temporary extraction or copy
             "sha256": bundle.sha256,
             "files": bundle.file_hashes,
             "architecture": f"{bundle.architecture.file}:{bundle.architecture.symbol}",

@@ -161,7 +161,9 @@ class RowAssembler:
             full, seq_len, stride = 1, avail, avail - 1
         start = self._pos
         span = self._ids[start : start + full * stride + 1]
-        tokens = np.lib.stride_tricks.sliding_window_view(span, seq_len)[::stride].astype(np.int64)
+        tokens = np.empty((full, seq_len), dtype=np.int64)  # row i is span[i*stride : i*stride + seq_len]
+        tokens[:, :stride] = span[:-1].reshape(full, stride)
+        tokens[:, stride] = span[stride::stride]
         tb = self._nbytes[start + 1 : start + 1 + full * stride].reshape(full, stride).sum(axis=1, dtype=np.int64)
         self._pos += full * stride
         self._served_any = True
@@ -370,7 +372,8 @@ class Feeder:
     def _serve(self, conn: socket.socket) -> None:
         st: RankState | None = None
         try:
-            kind, hello, _ = protocol.recv(conn, max_payload=0)
+            reader = protocol.FrameReader(conn)
+            kind, hello, _ = reader.recv(max_payload=0)
             if kind != Kind.HELLO or hello.get("token") != self.token:
                 conn.close()
                 return
@@ -397,7 +400,7 @@ class Feeder:
             self._send(st, Kind.CONFIG, self.config)
             while True:
                 limit = protocol.MAX_STATE_TENSOR_BYTES if st.rank == 0 else 0
-                kind, header, payload = protocol.recv(conn, max_payload=limit)
+                kind, header, payload = reader.recv(max_payload=limit)
                 st.last_active = time.monotonic()
                 if kind == Kind.NEXT:
                     self._on_next(st, header)

@@ -59,35 +59,114 @@ def send_small(sock: socket.socket, *frames: tuple[Kind, dict[str, Any]]) -> Non
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    _recv_into(sock, memoryview(buf))
+    return buf
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ProtocolError("connection closed by peer")
         got += k
-    return buf
+
+
+def _parse(prefix: bytes | memoryview, max_payload: int) -> tuple[Kind, int, int]:
+    kind, hlen, plen = _PREFIX.unpack(prefix)
+    if hlen > MAX_HEADER or plen > max_payload:
+        raise ProtocolError(f"oversized frame (header {hlen} B, payload {plen} B)")
+    try:
+        return Kind(kind), hlen, plen
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+
+
+def _header(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        header = json.loads(str(raw, "utf-8")) if len(raw) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProtocolError("frame header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a JSON object")
+    return header
 
 
 def recv(sock: socket.socket, max_payload: int) -> tuple[Kind, dict[str, Any], bytearray]:
-    """Receive one frame: (kind, header, payload).
+    """Receive one frame: (kind, header, payload), reading exactly its bytes (unbuffered).
 
     Raises:
         ProtocolError: the peer closed, the kind is unknown, a length exceeds its bound, or the
             header is not a JSON object.
     """
-    kind, hlen, plen = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
-    if hlen > MAX_HEADER or plen > max_payload:
-        raise ProtocolError(f"oversized frame (header {hlen} B, payload {plen} B)")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind}") from None
-    try:
-        header = json.loads(_recv_exact(sock, hlen)) if hlen else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ProtocolError("frame header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("frame header is not a JSON object")
+    kind, hlen, plen = _parse(_recv_exact(sock, _PREFIX.size), max_payload)
+    header = _header(_recv_exact(sock, hlen)) if hlen else {}
     payload = _recv_exact(sock, plen) if plen else bytearray()
     return kind, header, payload
+
+
+class FrameReader:
+    """Reads the frames of one stream socket with as few system calls as possible.
+
+    One ``recv_into`` takes whatever the peer has written, up to :attr:`BUFFER` bytes: a loss
+    record and the request sent with it, or a whole batch, come in one call instead of three per
+    frame (prefix, header, payload). Bytes past the current frame stay buffered for the next
+    :meth:`recv`, so every read of the socket must go through the same reader. A payload or a
+    header that does not fit the buffer is read straight into a ``bytearray`` of its own.
+    """
+
+    BUFFER = 1 << 18  # 256 KiB: a batch of 32 Ki int64 tokens and its header, in one call
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = bytearray(self.BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0  # the unread bytes are _buf[_start:_end]
+        self._end = 0
+
+    def _fill(self, n: int) -> None:
+        """Make ``n <= BUFFER`` unread bytes available at ``_start``."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start + n > self.BUFFER:  # move the unread tail to the front
+            tail = self._view[self._start : self._end].tobytes()
+            self._view[: len(tail)] = tail
+            self._start, self._end = 0, len(tail)
+        while self._end - self._start < n:
+            k = self.sock.recv_into(self._view[self._end :])
+            if k == 0:
+                raise ProtocolError("connection closed by peer")
+            self._end += k
+
+    def _read(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the stream, as a new ``bytearray``."""
+        if n <= self.BUFFER:
+            self._fill(n)
+            out = bytearray(self._view[self._start : self._start + n])
+            self._start += n
+        else:
+            out = bytearray(n)
+            have = self._end - self._start
+            out[:have] = self._view[self._start : self._end]
+            self._start = self._end
+            _recv_into(self.sock, memoryview(out)[have:])
+        return out
+
+    def recv(self, max_payload: int) -> tuple[Kind, dict[str, Any], bytearray]:
+        """Receive one frame: (kind, header, payload), as :func:`recv`.
+
+        Raises:
+            ProtocolError: the peer closed, the kind is unknown, a length exceeds its bound, or
+                the header is not a JSON object.
+        """
+        self._fill(_PREFIX.size)
+        kind, hlen, plen = _parse(self._view[self._start : self._start + _PREFIX.size], max_payload)
+        self._start += _PREFIX.size
+        if hlen <= self.BUFFER:  # decoded where it lies
+            self._fill(hlen)
+            header = _header(self._view[self._start : self._start + hlen])
+            self._start += hlen
+        else:
+            header = _header(self._read(hlen))
+        payload = self._read(plen) if plen else bytearray()
+        return kind, header, payload

@@ -49,8 +49,9 @@ TRACEBACK_LINES = 15
 class Runtime:
     """The runner's side of ``PrismContext``: model building and the instrumented stream."""
 
-    def __init__(self, sock: socket.socket, config: dict[str, Any]):
-        self.sock = sock
+    def __init__(self, reader: protocol.FrameReader, config: dict[str, Any]):
+        self.sock = reader.sock
+        self.reader = reader
         self.config = config
         self.vocab_size = int(config["vocab_size"])
         self.seed = int(config["seed"])
@@ -149,7 +150,7 @@ class Runtime:
         while True:
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
-            kind, header, payload = protocol.recv(self.sock, max_payload=8 * MAX_BATCH_TOKENS)
+            kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
             if kind == Kind.END:  # the loop asked past the last batch: tell the feeder it is leaving
                 protocol.send(self.sock, Kind.EVENT, {"event": "end", "batches": step})
                 return
@@ -255,7 +256,8 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
     Returns the process exit code (0 when ``train`` returned).
     """
     _warm_up()  # while the gates run: nothing of the bundle is known or imported yet
-    kind, config, _ = protocol.recv(sock, max_payload=0)
+    reader = protocol.FrameReader(sock)
+    kind, config, _ = reader.recv(max_payload=0)
     if kind != Kind.CONFIG:
         raise protocol.ProtocolError(f"expected CONFIG from the feeder, got {kind.name}")
     device = config["device"]
@@ -264,7 +266,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         torch.cuda.set_device(local_rank)
     config["device"] = device
     force_determinism(int(config["seed"]), int(config["threads"]))
-    runtime = Runtime(sock, config)
+    runtime = Runtime(reader, config)
     try:
         train = _import_bundle(runtime, config)
         ctx = PrismContext(

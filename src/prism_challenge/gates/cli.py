@@ -100,8 +100,8 @@ def _print_unreadable(args: argparse.Namespace, rule: str, message: str) -> None
         return
     from rich.console import Console
 
-    Console(stderr=False, highlight=False).print(
-        f"[bold red]cannot read bundle[/] [cyan]{rule}[/]: {_escape(message)}"
+    Console(stderr=False, highlight=False).print(  # soft_wrap: one line at any terminal width
+        f"[bold red]cannot read bundle[/] [cyan]{rule}[/]: {_escape(message)}", soft_wrap=True
     )
 
 
@@ -118,8 +118,9 @@ def _print_table(report: GateReport) -> None:
     console = Console(highlight=False)
     if report.bundle is not None:
         b = report.bundle
+        shown = report.source if report.source is not None else str(b.root)  # a .zip: never its temp dir
         console.print(
-            f"bundle {_escape(str(b.root))}  architecture {b.architecture.file}:{b.architecture.symbol}"
+            f"bundle {_escape(shown)}  architecture {b.architecture.file}:{b.architecture.symbol}"
             f"  training {b.training.file}:{b.training.symbol}  tokenizer {b.tokenizer}"
         )
     if report.findings:

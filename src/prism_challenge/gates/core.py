@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -110,12 +111,24 @@ def run_gates(
         if extracted is not None:
             shutil.rmtree(extracted, ignore_errors=True)
         raise
+    report.source = str(path)
     if extracted is not None:
+        # name files as the user knows them (some.zip:architecture.py), never the temporary path
+        report.findings = [_unextracted(f, root, extracted, str(path)) for f in report.findings]
         if report.bundle is None:
             shutil.rmtree(extracted, ignore_errors=True)
         else:
             report.extracted_dir = extracted
     return report
+
+
+def _unextracted(finding: Finding, root: Path, extracted: Path, source: str) -> Finding:
+    """``finding`` with the temporary extraction path in its message replaced by ``source:``."""
+    message = finding.message
+    places = {str(root), str(extracted), str(root.resolve()), str(extracted.resolve())}
+    for where in sorted(places, key=len, reverse=True):  # the bundle root before its parent
+        message = message.replace(where + os.sep, f"{source}:").replace(where, source)
+    return finding if message == finding.message else dataclasses.replace(finding, message=message)
 
 
 def _gate(
@@ -137,7 +150,7 @@ def _gate(
         arch, train, tokenizer = read_spec(root)
         bundle = Bundle(root, arch, train, tokenizer, hashes)
     except BundleError as exc:
-        findings.append(Finding(exc.rule, "prism.yaml", 0, 0, str(exc)))
+        findings.append(Finding(exc.rule, "prism.yaml", exc.line, 0, str(exc)))
 
     entries: dict[str, tuple[Entrypoint, str]] = {}
     if bundle is not None:

@@ -66,6 +66,8 @@ class GateReport:
         extracted_dir: for a ``.zip`` bundle, the temporary directory it was extracted into
             (``bundle.root`` is it or a folder inside it). The caller owns it: call
             :meth:`cleanup` when done. ``None`` for a directory bundle.
+        source: the bundle as the user named it (the ``.zip`` path or the directory), for
+            display; ``None`` when unknown (then ``bundle.root``).
     """
 
     bundle: Bundle | None
@@ -73,6 +75,7 @@ class GateReport:
     param_count: int | None
     max_parameters: int | None = None
     extracted_dir: Path | None = field(default=None, repr=False)
+    source: str | None = None
 
     @property
     def blocking(self) -> bool:
@@ -86,12 +89,16 @@ class GateReport:
             self.extracted_dir = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: bundle (root, entrypoints, tokenizer, sha256) or ``None``,
-        findings, param_count, max_parameters and blocking."""
+        """A JSON-ready dict: bundle (source, root, entrypoints, tokenizer, sha256) or ``None``,
+        findings, param_count, max_parameters and blocking.
+
+        ``source`` is the path the user gave (a ``.zip`` or a directory); ``root`` is where the
+        files were read (for a zip, a temporary extraction removed by :meth:`cleanup`)."""
         b = self.bundle
         bundle = None
         if b is not None:
             bundle = {
+                "source": self.source if self.source is not None else str(b.root),
                 "root": str(b.root),
                 "architecture": f"{b.architecture.file}:{b.architecture.symbol}",
                 "training": f"{b.training.file}:{b.training.symbol}",
