@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -198,3 +199,32 @@ def test_readable_copy_holds_the_intake_limits_and_leaves_nothing(tmp_path, monk
         readable_copy(src)
     assert (err.value.rule, str(err.value)) == ("prism:symlink", "sub/link.txt: symlinks are not allowed in a bundle")
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_readable_copy_cannot_be_redirected_by_a_directory_swapped_for_a_symlink(tmp_path, monkeypatch):
+    # the owner swaps sub/ for a symlink to a root-only folder while root copies sub/: files are
+    # opened relative to the directory already open, so the copy holds the bundle's own bytes
+    import prism_challenge.bundle as bundle_mod
+
+    src = _private_bundle(tmp_path / "mine")
+    (src / "sub" / "zz.txt").write_text("mine\n")
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "zz.txt").write_text("SECRET\n")
+    real = bundle_mod._read_regular
+
+    def swap_then_read(path, rel, most, dir_fd=None):
+        if rel == "sub/notes.txt":  # sub/ is being copied: swap it now, before sub/zz.txt is read
+            (src / "sub").rename(src / "moved")
+            os.symlink(secret, src / "sub")
+        return real(path, rel, most, **({} if dir_fd is None else {"dir_fd": dir_fd}))
+
+    monkeypatch.setattr(bundle_mod, "_read_regular", swap_then_read)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    root, copied = readable_copy(src)
+    try:
+        assert (root / "sub" / "zz.txt").read_text() == "mine\n"
+        assert "SECRET" not in "".join(p.read_text() for p in root.rglob("*.txt"))
+    finally:
+        shutil.rmtree(copied)

@@ -334,3 +334,29 @@ def test_frame_reader_refuses_an_oversized_payload_before_reading_it():
             protocol.FrameReader(b).recv(max_payload=0)
     finally:
         b.close()
+
+
+def test_a_state_frame_over_the_state_budget_is_refused_before_its_payload_is_allocated(tmp_path):
+    f = make_feeder(tmp_path, max_state_bytes=1000)
+    r = FakeRunner(f)
+    r.sock.sendall(protocol.encode(Kind.STATE, {"name": "w", "dtype": "float32", "shape": [1 << 28]},
+                                   payload_length=1 << 30))  # 1 GiB announced, never sent
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert res.error["stage"] == "runner" and "oversized frame" in res.error["message"]
+    assert res.error["rank"] == 0
+
+
+@pytest.mark.parametrize("header, why", [(b"[" * 100_000, "deep nesting"), (b'{"n":' + b"9" * 5000 + b"}", "huge int"),
+                                         (b"\xff\xfe", "not UTF-8"), (b"[1]", "not an object")])
+def test_a_hostile_frame_header_is_a_protocol_error(header, why):
+    frame = protocol._PREFIX.pack(int(Kind.RECORD), len(header), 0) + header
+    for read in (lambda s: protocol.recv(s, 0), lambda s: protocol.FrameReader(s).recv(0)):
+        a, b = socket.socketpair()
+        try:
+            a.sendall(frame)
+            with pytest.raises(protocol.ProtocolError, match="frame header is not"):
+                read(b)
+        finally:
+            a.close()
+            b.close()

@@ -501,14 +501,17 @@ def readable_copy(
         dest.mkdir()
         dest.chmod(0o755)
         count = total = 0
-        for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
+        # os.fwalk holds each directory open and opens its entries relative to it, checking that
+        # a subdirectory it enters is the one it listed: a directory of the bundle swapped for a
+        # symlink while this (root) process copies cannot redirect a read outside the bundle
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(src, follow_symlinks=False):
             here = Path(dirpath)
             there = dest / here.relative_to(src)
             kept = []
             for d in sorted(dirnames):
                 if d in SKIPPED_DIRS:
                     continue
-                if (here / d).is_symlink():
+                if stat.S_ISLNK(os.stat(d, dir_fd=dirfd, follow_symlinks=False).st_mode):
                     rel = (here / d).relative_to(src).as_posix()
                     raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
                 (there / d).mkdir()
@@ -522,7 +525,7 @@ def readable_copy(
                     raise BundleError(
                         f"{rel}: more than {limits.max_files} files in the bundle", "prism:too-many-files"
                     )
-                data = _read_regular(here / name, rel, limits.max_source_bytes - total + 1)
+                data = _read_regular(name, rel, limits.max_source_bytes - total + 1, dir_fd=dirfd)
                 total += len(data)
                 if total > limits.max_source_bytes:
                     raise BundleError(
@@ -546,12 +549,17 @@ def readable_copy(
         ) from None
 
 
-def _read_regular(path: Path, rel: str, most: int) -> bytes:
-    """The bytes of a regular file, never through a symlink, at most ``most`` of them."""
+def _read_regular(path: Path | str, rel: str, most: int, dir_fd: int | None = None) -> bytes:
+    """The bytes of a regular file (``path`` relative to ``dir_fd`` when given), never through a
+    symlink, at most ``most`` of them."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError as exc:
-        if path.is_symlink():
+        try:
+            link = stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
             raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink") from None
         raise BundleError(f"{rel}: cannot read ({exc.strerror or exc})", "prism:bundle-unreadable") from None
     with os.fdopen(fd, "rb") as f:

@@ -399,7 +399,9 @@ class Feeder:
             st.last_active = time.monotonic()
             self._send(st, Kind.CONFIG, self.config)
             while True:
-                limit = protocol.MAX_STATE_TENSOR_BYTES if st.rank == 0 else 0
+                # rank 0's state frames: never more than the state bytes it has left (the payload is
+                # allocated before it arrives)
+                limit = min(protocol.MAX_STATE_TENSOR_BYTES, max(self.max_state_bytes - st.state_bytes, 0)) if st.rank == 0 else 0
                 kind, header, payload = reader.recv(max_payload=limit)
                 st.last_active = time.monotonic()
                 if kind == Kind.NEXT:

@@ -85,7 +85,7 @@ def _parse(prefix: bytes | memoryview, max_payload: int) -> tuple[Kind, int, int
 def _header(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
         header = json.loads(str(raw, "utf-8")) if len(raw) else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, an int over 4300 digits, deep nesting
         raise ProtocolError("frame header is not valid JSON") from None
     if not isinstance(header, dict):
         raise ProtocolError("frame header is not a JSON object")
