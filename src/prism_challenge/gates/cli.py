@@ -118,9 +118,8 @@ def _print_table(report: GateReport) -> None:
     console = Console(highlight=False)
     if report.bundle is not None:
         b = report.bundle
-        shown = report.source if report.source is not None else str(b.root)  # a .zip: never its temp dir
-        console.print(
-            f"bundle {_escape(shown)}  architecture {b.architecture.file}:{b.architecture.symbol}"
+        console.print(  # a .zip by its own name, never its temporary extraction
+            f"bundle {_escape(report.shown_source)}  architecture {b.architecture.file}:{b.architecture.symbol}"
             f"  training {b.training.file}:{b.training.symbol}  tokenizer {b.tokenizer}"
         )
     if report.findings:

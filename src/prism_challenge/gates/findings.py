@@ -78,6 +78,14 @@ class GateReport:
     source: str | None = None
 
     @property
+    def shown_source(self) -> str | None:
+        """The bundle as the user named it: :attr:`source`, else ``bundle.root`` (``None``
+        without a bundle); never a temporary extraction when the source is known."""
+        if self.source is not None:
+            return self.source
+        return None if self.bundle is None else str(self.bundle.root)
+
+    @property
     def blocking(self) -> bool:
         """Whether any finding blocks the run."""
         return any(f.blocking for f in self.findings)
@@ -98,7 +106,7 @@ class GateReport:
         bundle = None
         if b is not None:
             bundle = {
-                "source": self.source if self.source is not None else str(b.root),
+                "source": self.shown_source,
                 "root": str(b.root),
                 "architecture": f"{b.architecture.file}:{b.architecture.symbol}",
                 "training": f"{b.training.file}:{b.training.symbol}",
