@@ -63,12 +63,12 @@ def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -
 
 
 def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation: str = "strict",
-                heldout_bytes: int = 0) -> dict:
+                heldout_bytes: int = 0, warm_ranks: bool = True) -> dict:
     """One scored run through ``prism eval``'s pipeline; seconds (see the module docstring)."""
     with tempfile.TemporaryDirectory() as d:
         o = evaluate(EvalOptions(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads,
                                  out_dir=str(Path(d) / "run"), device="cpu", isolation=isolation,
-                                 heldout_bytes=heldout_bytes))
+                                 heldout_bytes=heldout_bytes, warm_ranks=warm_ranks))
     if o.failure:
         raise SystemExit(f"harness run ({isolation}) failed: {o.failure}")
     t = o.manifest["timing"]
@@ -117,6 +117,8 @@ def bench_cases(a: argparse.Namespace) -> list[tuple[str, str, int, int, int, in
 def main() -> None:
     p = bench_arguments(__doc__.split("\n")[0])
     p.add_argument("--isolation", choices=["strict", "none"], default="strict")
+    p.add_argument("--cold-ranks", action="store_true",
+                   help="start every rank after torchrun's agent (no warm ranks): what they save")
     a = p.parse_args()
     for name, bundle, tokens, batch, seq_len, vocab, repeats in bench_cases(a):
         with tempfile.TemporaryDirectory() as d:
@@ -126,13 +128,14 @@ def main() -> None:
             for i in range(repeats):  # ABBA order: on this VM the second run of a pair is often faster
                 if i % 2:
                     b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
-                h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation))
+                h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation, warm_ranks=not a.cold_ranks))
                 if not i % 2:
                     b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
         he, ht, bt = med(h, "exposed"), med(h, "total"), med(b, "total")
         hs, bs = med(h, "stream"), med(b, "stream")
-        print(f"== {name}: {tokens:,} tokens, {repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}")
+        print(f"== {name}: {tokens:,} tokens, {repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}"
+              f"{', cold ranks' if a.cold_ranks else ''}")
         print(f"   re-execution after the gates -> last batch {he:8.3f} s | bare launch->last batch {bt:8.3f} s")
         print(f"   time ratio {he / bt:.3f}   throughput ratio {bt / he:.3f}")
         print(f"   whole launch (torchrun start, overlapping the gates) -> last batch {ht:.3f} s: "

@@ -95,6 +95,9 @@ class EvalOptions:
     ``memory_limit_bytes`` per process, ``max_processes`` tasks, ``max_file_bytes`` per file,
     ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
     Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
+    ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
+    for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
+    every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
     """
 
     bundle: str
@@ -122,6 +125,7 @@ class EvalOptions:
     heldout_bytes: int = DEFAULT_HELDOUT_BYTES
     heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
     policy: Policy = field(default_factory=Policy)
+    warm_ranks: bool = True
 
 
 USAGE_STAGE = "config"
@@ -480,6 +484,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         cwd=artifacts,
         wrap=sandbox.prefix,
         clean_env=sandbox.mode == "strict",
+        warm=opts.warm_ranks,
     )
     gated = _Gated([], None, 0.0)
     if opts.run_gates:

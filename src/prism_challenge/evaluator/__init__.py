@@ -2,7 +2,8 @@
 
 Modules: ``interface`` (PrismContext, the submission's only API), ``seeding`` (forced init),
 ``instrument`` (the prequential loss of a batch), ``protocol`` (the socket framing),
-``feeder`` (trusted: builds batches, records losses), ``rank`` (torchrun's entry point) and
+``feeder`` (trusted: builds batches, records losses), ``warm`` (rank processes started early,
+claimed by torchrun's workers), ``rank`` (torchrun's entry point) and
 ``runner`` (untrusted: imports the bundle and calls ``train(ctx)``), ``launcher`` (trusted:
 starts torchrun).
 """

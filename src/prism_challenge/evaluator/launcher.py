@@ -2,7 +2,8 @@
 
 ``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.rank``
 runs as a child process in its own process group (so the whole tree can be stopped), with
-stdout and stderr going to the run's log file. The environment (:func:`compute_env`) fixes the
+stdout and stderr going to the run's log file. By default it runs under the pool of warm ranks
+(:mod:`~prism_challenge.evaluator.warm`), which starts the N rank processes alongside it. The environment (:func:`compute_env`) fixes the
 thread count, cuBLAS's deterministic workspace and huge-page allocation before anything in the
 child starts.
 """
@@ -22,6 +23,7 @@ MONITOR_INTERVAL_S = 0.5  # torchrun's agent polls its ranks this often (its def
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this size come from the heap
 MALLOC_TRIM_THRESHOLD = 1 << 40  # never give freed heap memory back (see compute_env)
 RUNNER_MODULE = "prism_challenge.evaluator.rank"  # ties the rank to the agent, then runs the runner
+WARM_POOL_MODULE = "prism_challenge.evaluator.warm"  # warm ranks claimed by torchrun's workers
 
 
 class LaunchError(ValueError):
@@ -55,6 +57,14 @@ def torchrun_command(nproc: int) -> list[str]:
         "-m",
         RUNNER_MODULE,
     ]
+
+
+def warm_pool_command(nproc: int) -> list[str]:
+    """The argv prefix that runs torchrun under the pool of warm ranks
+    (:mod:`~prism_challenge.evaluator.warm`): ``nproc`` rank processes import torch while
+    torchrun's agent starts, and its workers hand their ranks to them."""
+    check_layout(nproc)
+    return [sys.executable, "-m", WARM_POOL_MODULE, str(nproc), "--"]
 
 
 ENV_KEEP = {"PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
@@ -112,11 +122,12 @@ class Launched:
         return self.proc.poll()
 
     def kill(self) -> None:
-        """Kill torchrun's process group (the sandbox, when there is one, and torchrun's agent).
+        """Kill the launched process group (the sandbox when there is one, the pool of warm ranks,
+        torchrun's agent).
 
-        torchrun puts each rank in a session of its own; the ranks die with the agent because the
-        runner asks for ``PR_SET_PDEATHSIG`` first thing, and in a strict sandbox the whole pid
-        namespace dies with its init.
+        torchrun puts each of its workers in a session of its own; they die with the agent, and
+        the warm ranks and torchrun with the pool, because each asks for ``PR_SET_PDEATHSIG``
+        first thing; in a strict sandbox the whole pid namespace dies with its init.
         """
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -134,6 +145,7 @@ def launch(
     cwd: Path,
     wrap: list[str] | None = None,
     clean_env: bool = False,
+    warm: bool = True,
 ) -> Launched:
     """Start torchrun with the runner module.
 
@@ -146,11 +158,13 @@ def launch(
         wrap: an isolation prefix (e.g. a bubblewrap argv) placed before the command.
         clean_env: pass only :func:`sandbox_env` of this environment (tokens, keys and other
             secrets of the operator's shell never reach submitted code).
+        warm: start torchrun under the pool of warm ranks (:func:`warm_pool_command`); with
+            ``False`` every rank starts cold, after torchrun's agent.
 
     Raises:
         LaunchError: the layout is refused.
     """
-    cmd = (wrap or []) + torchrun_command(nproc)
+    cmd = (wrap or []) + (warm_pool_command(nproc) if warm else []) + torchrun_command(nproc)
     env = sandbox_env(os.environ) if clean_env else dict(os.environ)
     env.update(env_extra)
     env.update(compute_env(threads))

@@ -1,6 +1,7 @@
 """The runner: the untrusted side of a scored run, one process per rank under torchrun.
 
-Each rank (``python -m prism_challenge.evaluator.rank`` under torchrun) connects to the trusted
+Each rank (``python -m prism_challenge.evaluator.rank`` under torchrun, or the warm process its
+worker claimed: :func:`warm_main`) connects to the trusted
 feeder over the Unix socket named by ``PRISM_FEEDER_SOCKET``, receives the run configuration,
 forces determinism BEFORE any submitted module is imported, imports the bundle's architecture and
 training modules, and calls ``train(ctx)``. The bundle's ``build_model`` is replaced by a wrapper
@@ -37,6 +38,7 @@ from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
+from prism_challenge.evaluator.warm import ENV_WARM_SOCKET, WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
 
@@ -321,6 +323,24 @@ def _device_name(device: str) -> str:
     import platform
 
     return f"cpu ({platform.machine()})"
+
+
+def warm_main(fd: int) -> None:
+    """A warm process of the pool (:mod:`~prism_challenge.evaluator.warm`): warm up, wait for a
+    claim on the socket pair end ``fd``, take the claiming worker's environment as this
+    process's own (``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_*``, the feeder's socket and
+    token: all that torchrun gave it), then run the rank as :func:`main`. Exits 0 without running
+    anything when the pool ends before a claim.
+    """
+    _warm_up()
+    try:
+        env = wait_for_claim(fd)
+    except (OSError, WarmError):
+        os._exit(0)
+    env.pop(ENV_WARM_SOCKET, None)
+    os.environ.clear()
+    os.environ.update(env)
+    main()
 
 
 def main() -> None:
