@@ -149,6 +149,16 @@ def test_a_file_that_is_not_a_zip_is_refused_saying_what_a_bundle_is(tmp_path):
     assert err.value.rule == "prism:bad-zip" and "not a valid zip archive" in str(err.value)
 
 
+def test_a_device_or_a_missing_path_is_named_for_what_it_is(tmp_path):
+    with pytest.raises(BundleError) as err:
+        open_bundle("/dev/null")
+    assert str(err.value) == ("/dev/null: not a bundle (not a regular file or a directory): a bundle is a "
+                              "directory or a .zip holding architecture.py and training.py")
+    with pytest.raises(BundleError) as err:
+        open_bundle(tmp_path / "nope")
+    assert str(err.value) == f"{tmp_path / 'nope'}: no such bundle directory or .zip file"
+
+
 def _private_bundle(root: Path) -> Path:
     root.mkdir()
     for p in EXAMPLE.iterdir():

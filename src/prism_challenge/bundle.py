@@ -608,6 +608,9 @@ def open_bundle(
         if p.suffix.lower() != ".zip" and not zipfile.is_zipfile(p):
             raise BundleError(f"{path}: not a bundle: {NOT_A_BUNDLE}", "prism:bundle-unreadable")
         return extract_zip(p, None, limits)
+    if p.exists():  # a device, a FIFO, a socket
+        raise BundleError(f"{path}: not a bundle (not a regular file or a directory): {NOT_A_BUNDLE}",
+                          "prism:bundle-unreadable")
     raise BundleError(f"{path}: no such bundle directory or .zip file", "prism:bundle-unreadable")
 
 

@@ -333,6 +333,14 @@ def test_findings_carry_exact_position_and_message(tmp_path):
     }
 
 
+def test_a_path_escaping_the_artifacts_dir_is_refused_with_the_rule_spelled_out(tmp_path):
+    src = arch(body='torch.save(model, ctx.artifacts_dir + "/../m.pt")')
+    report = run_gates(write_bundle(tmp_path, {"architecture.py": src}), check_params=False)
+    (f,) = [f for f in report.findings if f.rule == "prism:torch-io"]
+    assert f.message == ("torch.save writes a path the gate cannot prove is inside ctx.artifacts_dir (allowed: "
+                         "ctx.artifacts_dir, optionally + string literals starting with '/' and holding no '..')")
+
+
 def test_syntax_error_reports_line_and_column(tmp_path):
     src = "import torch\n\ndef build_model(ctx):\n    return torch.nn.Linear(2, 2))\n"
     report = run_gates(write_bundle(tmp_path, {"architecture.py": src}), check_params=False)

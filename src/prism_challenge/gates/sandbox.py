@@ -1104,7 +1104,9 @@ class Checker:
         path = _arg(call, 1 if is_save else 0, "f")
         if path is None or not artifacts_path(path, self):
             verb = "writes" if is_save else "reads"
-            self.add(TORCH_IO, call, f"{q} {verb} a path not built from ctx.artifacts_dir")
+            self.add(TORCH_IO, call, f"{q} {verb} a path the gate cannot prove is inside ctx.artifacts_dir "
+                                     f"(allowed: ctx.artifacts_dir, optionally + string literals starting with "
+                                     f"'/' and holding no '..')")
         if not is_save:
             for kw in call.keywords:
                 if kw.arg == "weights_only" and not (
