@@ -6,6 +6,7 @@ import math
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +183,42 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     t = m["timing"]  # the gates ran while torchrun started
     assert 0 < t["gates_s"] <= t["launch_to_release_s"] <= t["gates_s"] + 0.5
     assert t["launch_to_last_record_s"] == pytest.approx(t["launch_to_release_s"] + t["release_to_last_record_s"])
+
+
+PARENT_LOOP = """
+import os
+import torch
+
+
+def train(ctx):
+    with open(os.path.join(ctx.artifacts_dir, "parent.txt"), "wb") as f:  # who started this rank
+        f.write(open(f"/proc/{os.getppid()}/cmdline", "rb").read())
+    model = ctx.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=32):
+        logits = model(batch.tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 batch.tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_warm_and_cold_ranks_score_the_same_to_the_last_bit(tmp_path):
+    # warm: the rank is a process of the pool, claimed by torchrun's worker; cold: torchrun's child
+    bundle = write_bundle(tmp_path / "b", ARCH_LINEAR, PARENT_LOOP)
+    warm = run(tmp_path / "w", bundle, token_budget=3000, seq_len=64)
+    cold = run(tmp_path / "c", bundle, token_budget=3000, seq_len=64, warm_ranks=False)
+    assert warm.failure is None and cold.failure is None, (warm.failure, cold.failure)
+    parent = lambda o: (Path(o.run_dir) / "artifacts" / "parent.txt").read_bytes().split(b"\0")  # noqa: E731
+    assert parent(warm)[1:3] == [b"-m", b"prism_challenge.evaluator.warm"]  # the pool
+    assert parent(cold)[1:3] == [b"-m", b"torch.distributed.run"]  # torchrun's agent
+    assert (warm.manifest["compute"]["warm_ranks"], cold.manifest["compute"]["warm_ranks"]) == (True, False)
+    assert warm.manifest["score"]["prequential_bpb"] == cold.manifest["score"]["prequential_bpb"]
+    assert warm.manifest["curve"] == cold.manifest["curve"]
+    assert warm.manifest["model"]["state_sha256"] == cold.manifest["model"]["state_sha256"]
+    assert warm.manifest["curve"]["nats_per_target"][-1] < warm.manifest["curve"]["nats_per_target"][0]  # it trained
 
 
 def _processes_with(needle: bytes) -> list[int]:

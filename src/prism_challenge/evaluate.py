@@ -732,6 +732,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
             "world_size": opts.nproc,
             "nproc_per_node": opts.nproc,
             "nnodes": 1,
+            "warm_ranks": opts.warm_ranks,  # rank processes started while the gates ran (evaluator/warm.py)
             "device_name": done.get(0, {}).get("device_name"),
             "peak_rss_bytes": {str(r): d.get("peak_rss_bytes") for r, d in sorted(done.items())},
             "peak_device_bytes": {str(r): d.get("peak_device_bytes") for r, d in sorted(done.items()) if "peak_device_bytes" in d},
