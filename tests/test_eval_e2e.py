@@ -17,7 +17,7 @@ from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.run_manifest import MANIFEST_NAME
 
-from helpers import EXAMPLE, SHARED, UNIFORM_ARCH, write_bundle
+from helpers import EXAMPLE, LOOP, SHARED, UNIFORM_ARCH, write_bundle
 
 pytestmark = pytest.mark.slow
 
@@ -185,24 +185,13 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     assert t["launch_to_last_record_s"] == pytest.approx(t["launch_to_release_s"] + t["release_to_last_record_s"])
 
 
-PARENT_LOOP = """
-import os
-import torch
-
-
-def train(ctx):
-    with open(os.path.join(ctx.artifacts_dir, "parent.txt"), "wb") as f:  # who started this rank
-        f.write(open(f"/proc/{os.getppid()}/cmdline", "rb").read())
-    model = ctx.build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=32):
-        logits = model(batch.tokens)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 batch.tokens[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-"""
+# the default SGD loop, first writing who started this rank (its parent's command line)
+PARENT_LOOP = LOOP.format(lr=0.5, batch=2, seq_len=32).replace(
+    "    model = ctx.build_model()",
+    "    import os\n"
+    "    with open(os.path.join(ctx.artifacts_dir, 'parent.txt'), 'wb') as f:\n"
+    "        f.write(open(f'/proc/{os.getppid()}/cmdline', 'rb').read())\n"
+    "    model = ctx.build_model()", 1)
 
 
 def test_warm_and_cold_ranks_score_the_same_to_the_last_bit(tmp_path):
