@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -458,6 +459,28 @@ def test_a_single_rank_stuck_after_a_batch_is_stopped_and_scored(tmp_path):
     st, s = o.manifest["stream"], o.manifest["score"]
     assert st["stop_reason"] == "stalled" and st["batches"] == 1 and st["targets"] == 30 == st["tokens"] - 1
     assert s["prequential_bpb"] == pytest.approx(math.log2(257) * s["targets"] / s["bytes"], rel=1e-6)
+
+
+SPIN_BEFORE_LOOP = """
+def train(ctx):
+    model = ctx.build_model()
+    n = 0
+    while n >= 0:  # never reaches the stream
+        n = n + 1
+    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=16):
+        pass
+"""
+
+
+def test_a_loop_that_never_reaches_the_stream_fails_after_the_idle_timeout(tmp_path):
+    t0 = time.monotonic()
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, SPIN_BEFORE_LOOP), token_budget=3000, idle_timeout=3)
+    assert time.monotonic() - t0 < 60  # it used to wait forever (no wall-clock budget by default)
+    assert o.failure is not None and o.failure.stage == "contract"
+    assert re.match(r"no batch was asked for [3-9] s after the start: the loop never reached ctx\.iter_train_batches ",
+                    o.failure.message), o.failure.message
+    assert o.failure.message.endswith("[--idle-timeout 3 s]")
+    assert o.manifest["status"] == "failed" and o.manifest["stream"]["batches"] == 0
 
 
 @pytest.mark.parametrize(

@@ -271,6 +271,29 @@ def test_a_rank_stuck_in_its_last_step_is_caught_after_the_end_was_sent(tmp_path
     f.finish()
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_loop_that_never_asks_for_a_batch_is_caught_after_the_timeout(tmp_path, world_size):
+    f = make_feeder(tmp_path, world_size=world_size)
+    runners = [FakeRunner(f, r) for r in range(world_size)]  # connected, configured, then silent
+    assert f.check_first_batch(0.2) is None  # just released
+    threading.Event().wait(0.4)
+    assert f.check_first_batch(10.0) is None  # not yet 10 s
+    assert f.check_stall(0.2) is None  # the stall rules start with the first batch
+    msg = f.check_first_batch(0.2)
+    assert msg is not None and msg.startswith("no batch was asked for 0 s after the start")
+    assert "never reached ctx.iter_train_batches" in msg
+    assert runners[0].next(2, 5) is not None  # taken, but its scoring forward never returns
+    msg = f.check_first_batch(0.2)
+    assert msg is not None and msg.startswith("no batch was scored 0 s after the start: the first batch was taken")
+    runners[0].record(0, 1.0)  # one batch scored: the stall rules take over
+    for _ in range(100):
+        if f.check_first_batch(0.2) is None:
+            break
+        threading.Event().wait(0.01)
+    assert f.check_first_batch(0.2) is None
+    f.finish()
+
+
 def test_probe_schedule_is_fixed_by_the_key_and_differs_between_keys(tmp_path):
     a = Feeder(str(tmp_path / "a.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")
     b = Feeder(str(tmp_path / "b.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")

@@ -587,6 +587,10 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
             return "failure"
         if opts.wall_clock_budget is not None and now - t_release > opts.wall_clock_budget + WATCHDOG_GRACE_S:
             return "watchdog"
+        never = feeder.check_first_batch(opts.idle_timeout)
+        if never is not None:  # nothing scored and nothing coming: fail now, not when the budget ends
+            feeder.fail("contract", f"{never} [--idle-timeout {opts.idle_timeout:g} s]")
+            return "failure"
         stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout)
         if stalled is not None:
             stage, message, rank = stalled

@@ -684,8 +684,11 @@ class Feeder:
         the caller stops the run and scores what was scored). World size > 1, a failure in two
         cases: another rank already left the stream (the silent rank is most likely blocked in a
         collective the leaver never joins), or another rank is ahead of it (the silent rank hangs).
+        A loop that never takes its first batch is :meth:`check_first_batch`'s.
         """
         now = time.monotonic()
+        with self._lock:
+            ranks = list(self._ranks.values())
         if self.world_size == 1:
             st = self._ranks.get(0)
             if st is None or st.done is not None or st.left or st.ended or not st.taken:
@@ -694,8 +697,6 @@ class Feeder:
             if quiet < timeout:
                 return None
             return ("stalled", f"rank 0 made no progress for {quiet:.0f} s after taking {st.taken} batch(es)", 0)
-        with self._lock:
-            ranks = list(self._ranks.values())
         for st in ranks:
             if st.done is not None or st.left or st.ended or now - st.last_active < timeout:
                 continue
@@ -717,6 +718,28 @@ class Feeder:
                     st.rank,
                 )
         return None
+
+    def check_first_batch(self, timeout: float) -> str | None:
+        """Why the run must fail when no batch was scored ``timeout`` s after the release, or
+        ``None`` (before the release, and once any rank recorded a batch, finished or left).
+
+        Nothing is scored and nothing is coming: the loop never reached
+        ``ctx.iter_train_batches`` (an endless loop or a stopped process before it), or the
+        model's first scoring forward never returned.
+        """
+        now = time.monotonic()
+        with self._lock:
+            ranks = list(self._ranks.values())
+        if self.released_at is None or any(st.taken or st.done is not None or st.left or st.ended for st in ranks):
+            return None
+        waited = now - self.released_at
+        if waited < timeout:
+            return None
+        if any(st.step for st in ranks):
+            return (f"no batch was scored {waited:.0f} s after the start: the first batch was taken but the "
+                    f"model's scoring forward on it has not returned")
+        return (f"no batch was asked for {waited:.0f} s after the start: the loop never reached "
+                f"ctx.iter_train_batches (an endless loop or a stopped process before it)")
 
     def drain(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for every rank's reader to reach that rank's last frame.
