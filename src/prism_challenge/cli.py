@@ -62,7 +62,8 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--rank-timeout", type=_positive_float, default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
     p.add_argument("--idle-timeout", type=_positive_float, default=ev.DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
-                   help="one rank: stop and score what was scored when the loop takes no batch for this long "
+                   help="one rank: stop and score what was scored when the loop takes no batch for this long; "
+                        "any number of ranks: fail when no batch was scored this long after the start "
                         "(default %(default)s)")
     p.add_argument("--isolation", choices=["strict", "none"], default="strict",
                    help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
