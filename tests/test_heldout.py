@@ -22,7 +22,7 @@ from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.manifest import load_manifest
 from prism_challenge.evaluator import isolation
 from prism_challenge.evaluator.seeding import force_seeds
-from prism_challenge.heldout import HeldoutError, heldout_cuts, run_heldout
+from prism_challenge.heldout import HeldoutError, blind_probes, heldout_cuts, run_heldout
 
 from helpers import UNIFORM_ARCH
 
@@ -282,3 +282,58 @@ def test_in_the_sandbox_the_child_cannot_read_the_data(tmp_path, data_dir, train
                          timeout_s=300, memory_bytes=4 << 30)
     for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes"):
         assert r[k] == honest[k], k
+
+
+# reads the next token (a roll of the input) and answers a single-row probe of a row it has just
+# seen from its cache: the in-process causality probe is fooled, the blind probe is not
+REPLAY_ARCH = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Peek(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.v = v
+        self.alpha = nn.Parameter(torch.tensor(40.0))
+        self.cache = None
+
+    def forward(self, tokens):
+        if not self.training and self.cache is not None and tokens.shape[0] == 1:
+            last, logits = self.cache
+            for r in range(last.shape[0]):
+                if last.shape[1] == tokens.shape[1] and bool((last[r, :1] == tokens[0, :1]).all()):
+                    return logits[r:r + 1].clone()
+        out = F.one_hot(torch.roll(tokens, -1, dims=1), self.v).float() * self.alpha
+        if not self.training:
+            self.cache = (tokens.clone(), out.clone())
+        return out
+
+
+def build_model(ctx):
+    return Peek(ctx.vocab_size)
+"""
+
+
+def test_a_model_that_replays_the_probe_is_caught_by_the_blind_probe(tmp_path, data_dir):
+    bundle = write_arch(tmp_path / "b", REPLAY_ARCH)
+    state = tmp_path / "state.pt"
+    torch.save({"alpha": torch.tensor(40.0)}, state)
+    with pytest.raises(HeldoutError) as err:
+        run_heldout(config(bundle, state, data_dir), timeout_s=300, memory_bytes=4 << 30)
+    msg = str(err.value)
+    # the whole row: the next token was read (0 nats); the fresh process saw random tokens there
+    assert msg.startswith("contract: the trained model is not causal on held-out text: its prediction of token ")
+    assert "cost 0 nats when it was shown the whole row and 40 nats in a separate process" in msg
+
+
+def test_blind_probes_keep_the_prefix_and_replace_the_future():
+    batches = [np.arange(i * 100, i * 100 + 4 * 48, dtype=np.int64).reshape(4, 48) % V for i in range(20)]
+    probes = blind_probes(batches, SEED, V)
+    assert len(probes) == 8 and [p[0] for p in probes] == sorted({round(x) for x in np.linspace(0, 19, 8)})
+    for b, row, k, probe in probes:
+        assert 1 <= k < 48 and 0 <= row < 4 and probe.shape == (1, 48)
+        assert (probe[0, :k] == batches[b][row, :k]).all()  # the past is kept
+        assert not (probe[0, k:] == batches[b][row, k:]).all()  # the future is not
+    assert [p[:3] for p in blind_probes(batches, SEED, V)] == [p[:3] for p in probes]  # deterministic

@@ -18,6 +18,13 @@ cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument
     val_bpb = sum(nats) / ln 2 / sum(target bytes)         (the training score's definition)
     heldout_delta = val_bpb(twin) - val_bpb(trained)       (> 0: the training helped)
 
+**Blind probe.** The in-process causality probe can be answered from a cache by a model that
+remembers the rows it has just scored. So for :data:`BLIND_PROBES` held-out rows
+(:func:`blind_probes`) the trained model's log-probability of a token ``k`` is computed twice:
+in the held-out process from the whole row, and in a second, fresh process that only ever sees
+the row's tokens before ``k`` followed by random tokens. A causal model gives the same value
+(``BLIND_RTOL``); any other outcome is ``HeldoutError("contract: ...")``, which zeroes the run.
+
 **Process boundary.** The process that scores imports the submission's architecture, so it is
 untrusted from the moment of that import. :func:`run_heldout` therefore keeps everything that
 decides the figures on the trusted side: it cuts the rows itself, sends the child only token
@@ -58,6 +65,8 @@ LN2 = math.log(2.0)
 DEFAULT_MAX_BYTES = 200_000
 TRAINED_STATE_NAME = "prism_trained_state.pt"
 STDERR_TAIL_LINES = 15
+BLIND_PROBES = 8  # held-out rows whose prediction is recomputed in a process that never saw their future
+BLIND_RTOL = 1e-4  # the same [1, T] forward on the same prefix: a causal model matches to rounding
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -141,6 +150,26 @@ def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, devic
         targets += n_targets
         nonfinite += not finite
     return {"nats": math.fsum(parts), "targets": targets, "nonfinite_batches": nonfinite}
+
+
+def _logprobs_at(model: Any, row: np.ndarray, pos: int, vocab_size: int, device: str) -> bytes:
+    """float32 log-probabilities ``[V]`` of the next token at position ``pos`` of ``row`` ``[1, T]``
+    (eval mode, ``no_grad``, logits sliced to ``V``, as the instrument scores).
+
+    Raises:
+        prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape.
+    """
+    import torch
+
+    from prism_challenge.evaluator.instrument import check_logits
+
+    tokens = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64))
+    if device != "cpu":
+        tokens = tokens.to(device)
+    model.eval()
+    with torch.no_grad():
+        logits = check_logits(model(tokens), 1, tokens.shape[1], vocab_size)[0, pos, :vocab_size]
+        return torch.log_softmax(logits.float(), dim=-1).cpu().numpy().astype(np.float32).tobytes()
 
 
 class _BuildOnly:
@@ -231,7 +260,8 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
         )
         cap = int(config["max_parameters"])
         models = {}
-        for name in ("twin", "trained"):
+        names = ("trained",) if config.get("blind") else ("twin", "trained")
+        for name in names:
             stage = "build"
             model = runtime.build_model(ctx)
             if not isinstance(model, nn.Module):
@@ -250,9 +280,17 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
             models[name] = (model.to(device), count)
         out: dict[str, Any] = {"batches": len(batches), "parameter_count": models["trained"][1]}
         stage = "score"
+        trained = models["trained"][0]
+        if config.get("blind"):  # each batch is one probe row: [1, T], its suffix replaced
+            out["blind_logprobs"] = [_logprobs_at(trained, b, int(k) - 1, vocab, device).hex()
+                                     for b, k in zip(batches, config["blind"])]
+            return out
         for name, (model, _) in models.items():
             out[name] = score_rows(model, batches, vocab, device)
         out["targets"] = out["trained"]["targets"]
+        out["check_nats"] = [0.0 - float(np.frombuffer(_logprobs_at(trained, batches[b][row:row + 1], k - 1, vocab, device),
+                                                  dtype=np.float32)[int(batches[b][row, k])])
+                             for b, row, k in config.get("checks", [])]
         return out
     except HeldoutError:
         raise
@@ -411,11 +449,13 @@ def run_heldout(
     Returns:
         ``{"val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "nats_twin",
         "nats_trained", "nonfinite_batches_twin", "nonfinite_batches_trained", "batches",
-        "split", "max_bytes", "parameter_count", "wall_s"}``; bpb in bits per byte, nats in nats.
+        "split", "max_bytes", "parameter_count", "blind_probes", "wall_s"}``; bpb in bits per
+        byte, nats in nats, ``blind_probes`` the number of rows the blind probe checked.
 
     Raises:
         HeldoutError: ``"<stage>: <reason>"``: data, state file, timeout, memory, a crash (with
-            the tail of the child's stderr), or a malformed reply.
+            the tail of the child's stderr), a malformed reply, or ``contract`` when the blind
+            probe found a prediction that depends on a later token.
     """
     t0 = time.monotonic()
     split = str(config.get("split", "val"))
@@ -439,14 +479,97 @@ def run_heldout(
         "limits": {"address_space_bytes": memory_bytes, "max_file_bytes": max_file_bytes,
                    "max_open_files": max_open_files, "max_processes": max_processes if prefix else None},
     })
-    payload = (_frame(json.dumps(child_config).encode()) + _frame(_pack_batches([c.tokens for c in cuts]))
-               + _frame(state))
+    probes = blind_probes([c.tokens for c in cuts], int(config["seed"]), int(config["vocab_size"]))
+    child_config["checks"] = [[b, row, k] for b, row, k, _ in probes]
     cmd = list(prefix) + [sys.executable, "-m", "prism_challenge.heldout", "--stdin"]
     env = {**os.environ, **compute_env(int(config.get("threads", 1)))}
+    deadline = t0 + timeout_s
+    reply = _run_child(cmd, env, child_config, [c.tokens for c in cuts], state, deadline, timeout_s)
+    try:
+        result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
+                  "targets": int(reply["targets"]), "batches": int(reply["batches"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HeldoutError(f"protocol: malformed reply from the held-out process ({exc})") from None
+    if result["targets"] != targets or result["batches"] != len(cuts):
+        raise HeldoutError(f"protocol: the held-out process scored {result['targets']} targets in "
+                           f"{result['batches']} batches; {targets} in {len(cuts)} were sent")
+    if probes:
+        check_nats = reply.get("check_nats")
+        if not isinstance(check_nats, list) or len(check_nats) != len(probes):
+            raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
+        blind = _run_child(cmd, env, {**child_config, "blind": [k for _, _, k, _ in probes], "checks": []},
+                           [p[3] for p in probes], state, deadline, timeout_s)
+        _compare_blind(probes, [c.tokens for c in cuts], check_nats, blind.get("blind_logprobs"),
+                       int(config["vocab_size"]))
+    figures = _figures(result, nbytes)
+    figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
+                    "blind_probes": len(probes), "wall_s": time.monotonic() - t0})
+    return figures
+
+
+def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
+                 count: int = BLIND_PROBES) -> list[tuple[int, int, int, np.ndarray]]:
+    """The blind causality probes of a held-out evaluation: ``(batch, row, k, probe_row)``.
+
+    Up to ``count`` batches spread over the prefix; in each, one row (drawn from a generator
+    seeded by ``seed``) keeps its tokens before position ``k`` (``1 <= k < T``) and gets random
+    tokens from ``k`` on: ``probe_row`` ``[1, T]`` int64. The trained model's prediction of the
+    true token ``k`` is computed twice: in the held-out process, from the whole row, and in a
+    second, fresh process that is only ever shown ``probe_row``, so it cannot know token ``k``
+    nor replay logits it computed on the whole row. A causal model gives the same
+    log-probability both times.
+    """
+    if not batches:
+        return []
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, 0x424C4E44])
+    picks = sorted({int(round(x)) for x in np.linspace(0, len(batches) - 1, num=min(count, len(batches)))})
+    out = []
+    for b in picks:
+        rows, t = batches[b].shape
+        if t < 2:
+            continue
+        row, k = int(rng.integers(rows)), int(rng.integers(1, t))
+        probe = np.array(batches[b][row:row + 1], dtype=np.int64, copy=True)
+        probe[0, k:] = rng.integers(0, vocab_size, t - k)
+        out.append((b, row, k, probe))
+    return out
+
+
+def _compare_blind(probes: list, batches: Sequence[np.ndarray], check_nats: list, blind: Any, vocab_size: int) -> None:
+    """Raise ``HeldoutError("contract: ...")`` when a prediction changed without its future."""
+    if not isinstance(blind, list) or len(blind) != len(probes):
+        raise HeldoutError("protocol: malformed reply from the blind probe process")
+    for (b, row, k, _), full, hexed in zip(probes, check_nats, blind):
+        try:
+            lp = np.frombuffer(bytes.fromhex(hexed), dtype=np.float32)
+            if lp.shape != (vocab_size,) or not isinstance(full, (int, float)) or isinstance(full, bool):
+                raise ValueError("shape")
+        except (TypeError, ValueError):
+            raise HeldoutError("protocol: malformed reply from the blind probe process") from None
+        seen = 0.0 - float(lp[int(batches[b][row, k])])
+        if not (math.isfinite(full) and math.isfinite(seen)):
+            continue  # non-finite: charged 2 ln V per target already
+        if not abs(full - seen) <= BLIND_RTOL * max(1.0, abs(full), abs(seen)):
+            raise HeldoutError(
+                f"contract: the trained model is not causal on held-out text: its prediction of token {k} of "
+                f"held-out row {row} of batch {b} cost {full:.4g} nats when it was shown the whole row and "
+                f"{seen:.4g} nats in a separate process shown only the tokens before it (a prediction may use "
+                f"earlier tokens only)")
+
+
+def _run_child(cmd: list[str], env: dict[str, str], child_config: dict[str, Any], batches: Sequence[np.ndarray],
+               state: bytes, deadline: float, timeout_s: float) -> dict[str, Any]:
+    """Run one held-out child (config, batches and state on stdin); its ``{"ok": true, ...}`` reply.
+
+    Raises:
+        HeldoutError: timeout (``deadline``, a ``time.monotonic()`` value), a crash with the tail
+            of its stderr, a malformed reply, or the child's own error.
+    """
+    payload = _frame(json.dumps(child_config).encode()) + _frame(_pack_batches(batches)) + _frame(state)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(payload, timeout=timeout_s)
+        stdout, stderr = proc.communicate(payload, timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _kill(proc)
         raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s") from None
@@ -466,18 +589,7 @@ def run_heldout(
         raise HeldoutError(f"crash: the held-out process ended with {how} and no result\n{tail}".rstrip())
     if not reply.get("ok"):
         raise HeldoutError(str(reply.get("error") or "heldout: failed without a reason"))
-    try:
-        result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
-                  "targets": int(reply["targets"]), "batches": int(reply["batches"])}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise HeldoutError(f"protocol: malformed reply from the held-out process ({exc})") from None
-    if result["targets"] != targets or result["batches"] != len(cuts):
-        raise HeldoutError(f"protocol: the held-out process scored {result['targets']} targets in "
-                           f"{result['batches']} batches; {targets} in {len(cuts)} were sent")
-    figures = _figures(result, nbytes)
-    figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
-                    "wall_s": time.monotonic() - t0})
-    return figures
+    return reply
 
 
 def _model_reply(d: Any) -> dict[str, Any]:
