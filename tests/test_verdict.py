@@ -208,3 +208,13 @@ def test_rank_puts_zeroed_runs_after_every_other_run():
     smuggler = {**E("smuggler", 0.90, 2.0, 1), "final_score": 0.0}
     honest = [E("a", 4.65, 0.3, 2), E("b", 5.10, 0.1, 3)]
     assert names(rank([cheat, smuggler, *honest])) == ["a", "b", "cheat", "smuggler"]
+
+
+def test_rank_puts_runs_the_heldout_does_not_back_after_clean_ones():
+    # causal on held-out text but not in the stream: tail far below val (memorization flag, x0.5);
+    # a loop that hung after its last batch: no trained state, so no held-out figures at all
+    adapted = {**E("adapted", 0.08, 0.2, 0), "memorization_penalty": 0.5, "flags": ["memorization"]}
+    hung = {**E("hung", 0.50, None, 1), "memorization_penalty": 1.0, "flags": ["heldout_unavailable"]}
+    zeroed = {**E("zeroed", 0.01, None, 2), "anti_cheat_multiplier": 0.0, "final_score": 0.0}
+    honest = [{**E("a", 4.65, 0.3, 3), "memorization_penalty": 1.0, "flags": []}, E("b", 5.10, 0.1, 4)]
+    assert names(rank([zeroed, hung, adapted, *honest])) == ["a", "b", "adapted", "hung", "zeroed"]

@@ -217,9 +217,14 @@ def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> l
     3. Groups in order; inside a group: ``heldout_delta`` descending (missing or NaN last), then
        ``prequential_bpb``, ``submitted_at``, ``id`` ascending.
 
-    Zeroed runs (``anti_cheat_multiplier == 0`` or ``final_score == 0``: flagged as smuggled
-    knowledge, or found non-causal by the held-out probe) are ranked after every other run,
-    among themselves in the same order: a cheat's low bpb never puts it ahead of an honest run.
+    Three tiers, each ordered as above: clean runs; then flagged runs (``memorization_penalty <
+    1``, or ``flags`` holding ``"memorization"`` or ``"heldout_unavailable"``: a stream score
+    the held-out text does not back, or none to back it, e.g. a loop that hung after its last
+    batch so no trained state was collected); then zeroed runs (``anti_cheat_multiplier == 0``
+    or ``final_score == 0``: smuggled knowledge, or found non-causal by a held-out probe). A
+    prequential score is single-pass, so an honest model's tail cannot beat its held-out bpb by
+    whole bits: a cheat's low bpb never puts it ahead of a run whose score the held-out backs.
+    Entries without these keys are clean.
 
     The result depends on the set of entries only, not on their input order (when ``id`` or
     the other keys tell every pair apart).
@@ -242,8 +247,14 @@ def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> l
     def zeroed(e: Any) -> bool:
         return _get(e, "anti_cheat_multiplier") == 0 or _get(e, "final_score") == 0
 
-    return _grouped([e for e in items if not zeroed(e)], epsilon, base_key) + _grouped(
-        [e for e in items if zeroed(e)], epsilon, base_key)
+    def tier(e: Any) -> int:
+        if zeroed(e):
+            return 2
+        penalty, flags = _get(e, "memorization_penalty"), _get(e, "flags") or ()
+        flagged = isinstance(penalty, (int, float)) and penalty < 1
+        return 1 if flagged or "memorization" in flags or "heldout_unavailable" in flags else 0
+
+    return [e for t in (0, 1, 2) for e in _grouped([e for e in items if tier(e) == t], epsilon, base_key)]
 
 
 def _grouped(items: list[Any], epsilon: float, base_key: Callable[[Any], tuple]) -> list[Any]:
