@@ -505,6 +505,33 @@ def test_a_bad_command_line_exits_2_with_one_line(tmp_path, capsys, argv, line):
     assert (full / "keep").read_text() == "x" and sorted(p.name for p in full.iterdir()) == ["keep"]
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--wall-clock-budget", "inf"], "argument --wall-clock-budget: inf must be a positive finite number"),
+        (["--seed", "99999999999999999999999"], "argument --seed: 99999999999999999999999 must be between 0 and "
+                                                "9223372036854775807"),
+        (["--seed", "-1"], "argument --seed: -1 must be between 0 and 9223372036854775807"),
+        (["--threads", "1000"], "argument --threads: 1000 must be between 1 and 256"),
+        (["--seq-len", "99999999999999999999"], "argument --seq-len: 99999999999999999999 must be between 2 and 16777216"),
+        (["--heldout-bytes", "-1"], "argument --heldout-bytes: -1 must be between 0 and 1099511627776"),
+    ],
+)
+def test_option_values_out_of_range_are_usage_errors(capsys, argv, message):
+    # they used to reach the run: an overflow traceback in the rank, libgomp failing to start 1000
+    # threads, a build error blamed on the bundle, "Infinity" in the manifest
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(EXAMPLE), "--no-progress", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == f"prism eval: error: {message}"
+
+
+def test_a_wall_clock_budget_that_ends_before_any_batch_is_named_as_the_cause(tmp_path):
+    o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH), token_budget=3000, wall_clock_budget=1e-6)
+    assert o.failure is not None and (o.failure.stage, o.failure.message) == (
+        "budget", "no batch was scored before the wall-clock budget of 1e-06 s ran out (counted from the gates' release)")
+
+
 def test_a_private_directory_bundle_is_scored_under_strict_isolation_as_root(tmp_path):
     # the sandbox runs as its own uid when PRISM is root: a 0700 bundle of 0600 files is
     # evaluated from a world-readable copy (removed after), with the same bundle sha256

@@ -9,10 +9,12 @@ import sys
 from typing import Any
 
 from prism_challenge import __version__
+from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
 
 EXIT_SCORED = 0
 EXIT_FAILED = 1  # the run failed: one line names the stage and reason
 EXIT_USAGE = 2  # a bad command line (argparse's own errors exit 2 too)
+MAX_THREADS = 256  # CPU threads per rank (the sandbox allows 1024 tasks in all)
 
 
 def _positive_int(text: str) -> int:
@@ -30,9 +32,24 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    if not (value > 0 and math.isfinite(value)):  # inf would reach the manifest as non-JSON "Infinity"
+        raise argparse.ArgumentTypeError(f"{value} must be a positive finite number")
     return value
+
+
+def _bounded_int(low: int, high: int):
+    """An argparse type: an integer in ``low..high`` (the message names the range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be between {low} and {high}")
+        return value
+
+    return parse
 
 
 def _add_eval_parser(sub: Any) -> None:
@@ -47,8 +64,10 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("bundle", help="bundle directory (architecture.py + training.py) or .zip")
     p.add_argument("--data", dest="data_dir", help="prepared data directory (default: the embedded corpus)")
     p.add_argument("--out", dest="out_dir", help="run directory (default: ./prism-runs/<time>-<bundle>-<sha>)")
-    p.add_argument("--seed", type=int, default=ev.DEFAULT_SEED, help="forced seed (default %(default)s)")
-    p.add_argument("--seq-len", type=_positive_int, default=ev.DEFAULT_SEQ_LEN, help="ctx.max_seq_len (default %(default)s)")
+    p.add_argument("--seed", type=_bounded_int(0, 2**63 - 1), default=ev.DEFAULT_SEED,
+                   help="forced seed, 0..2^63-1 (default %(default)s)")
+    p.add_argument("--seq-len", type=_bounded_int(2, MAX_BATCH_TOKENS), default=ev.DEFAULT_SEQ_LEN,
+                   help=f"ctx.max_seq_len, 2..{MAX_BATCH_TOKENS} (default %(default)s)")
     p.add_argument("--token-budget", type=_positive_int, help="stop after this many stream tokens")
     p.add_argument("--step-budget", type=_positive_int, help="stop after this many batches")
     p.add_argument("--wall-clock-budget", type=_positive_float, metavar="SECONDS",
@@ -56,8 +75,8 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this node, 1..8 (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=_positive_int, default=ev.DEFAULT_THREADS,
-                   help="CPU threads per rank, fixed for reproducibility (default %(default)s)")
+    p.add_argument("--threads", type=_bounded_int(1, MAX_THREADS), default=ev.DEFAULT_THREADS,
+                   help=f"CPU threads per rank, 1..{MAX_THREADS}, fixed for reproducibility (default %(default)s)")
     p.add_argument("--max-parameters", type=_positive_int, default=ev.DEFAULT_MAX_PARAMETERS)
     p.add_argument("--rank-timeout", type=_positive_float, default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
@@ -67,7 +86,7 @@ def _add_eval_parser(sub: Any) -> None:
                         "(default %(default)s)")
     p.add_argument("--isolation", choices=["strict", "none"], default="strict",
                    help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
-    p.add_argument("--heldout-bytes", type=int, default=ev.DEFAULT_HELDOUT_BYTES, metavar="BYTES",
+    p.add_argument("--heldout-bytes", type=_bounded_int(0, 1 << 40), default=ev.DEFAULT_HELDOUT_BYTES, metavar="BYTES",
                    help="UTF-8 bytes of the val split for the held-out delta; 0 disables (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(func=_cmd_eval)

@@ -631,6 +631,9 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     if over:  # the runner refuses this itself; the trusted side checks its report too
         return EvalFailure("contract", f"the scored model holds {max(over):,} unique parameter and buffer elements, "
                                        f"over the cap of {opts.max_parameters:,}")
+    if not result.steps and result.stop_reason == "wall_clock_budget":
+        return EvalFailure("budget", f"no batch was scored before the wall-clock budget of "
+                                     f"{opts.wall_clock_budget:g} s ran out (counted from the gates' release)")
     if not result.steps:
         return EvalFailure("contract", "no batch was scored: the loop never iterated ctx.iter_train_batches(...)")
     return None
