@@ -479,12 +479,13 @@ def run_heldout(
         "limits": {"address_space_bytes": memory_bytes, "max_file_bytes": max_file_bytes,
                    "max_open_files": max_open_files, "max_processes": max_processes if prefix else None},
     })
-    probes = blind_probes([c.tokens for c in cuts], int(config["seed"]), int(config["vocab_size"]))
+    batches = [c.tokens for c in cuts]
+    probes = blind_probes(batches, int(config["seed"]), int(config["vocab_size"]))
     child_config["checks"] = [[b, row, k] for b, row, k, _ in probes]
     cmd = list(prefix) + [sys.executable, "-m", "prism_challenge.heldout", "--stdin"]
     env = {**os.environ, **compute_env(int(config.get("threads", 1)))}
     deadline = t0 + timeout_s
-    reply = _run_child(cmd, env, child_config, [c.tokens for c in cuts], state, deadline, timeout_s)
+    reply = _run_child(cmd, env, child_config, batches, state, deadline, timeout_s)
     try:
         result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
                   "targets": int(reply["targets"]), "batches": int(reply["batches"])}
@@ -499,7 +500,7 @@ def run_heldout(
             raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
         blind = _run_child(cmd, env, {**child_config, "blind": [k for _, _, k, _ in probes], "checks": []},
                            [p[3] for p in probes], state, deadline, timeout_s)
-        _compare_blind(probes, [c.tokens for c in cuts], check_nats, blind.get("blind_logprobs"),
+        _compare_blind(probes, batches, check_nats, blind.get("blind_logprobs"),
                        int(config["vocab_size"]))
     figures = _figures(result, nbytes)
     figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),

@@ -687,8 +687,6 @@ class Feeder:
         A loop that never takes its first batch is :meth:`check_first_batch`'s.
         """
         now = time.monotonic()
-        with self._lock:
-            ranks = list(self._ranks.values())
         if self.world_size == 1:
             st = self._ranks.get(0)
             if st is None or st.done is not None or st.left or st.ended or not st.taken:
@@ -697,6 +695,8 @@ class Feeder:
             if quiet < timeout:
                 return None
             return ("stalled", f"rank 0 made no progress for {quiet:.0f} s after taking {st.taken} batch(es)", 0)
+        with self._lock:
+            ranks = list(self._ranks.values())
         for st in ranks:
             if st.done is not None or st.left or st.ended or now - st.last_active < timeout:
                 continue

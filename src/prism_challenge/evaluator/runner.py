@@ -38,7 +38,7 @@ from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
-from prism_challenge.evaluator.warm import ENV_WARM_SOCKET, WarmError, wait_for_claim
+from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
 
@@ -337,8 +337,7 @@ def warm_main(fd: int) -> None:
         env = wait_for_claim(fd)
     except (OSError, WarmError):
         os._exit(0)
-    env.pop(ENV_WARM_SOCKET, None)
-    os.environ.clear()
+    os.environ.clear()  # the claim carries the worker's environment less the pool's socket name
     os.environ.update(env)
     main()
 

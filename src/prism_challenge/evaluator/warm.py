@@ -236,7 +236,6 @@ class Pool:
         self.warm = [self._start_warm() for _ in range(nproc)]
         self.torchrun = subprocess.Popen(torchrun_argv, env={**os.environ, ENV_WARM_SOCKET: self.name},
                                          preexec_fn=die_with_parent)
-        self.claimed = 0
         self.pidfds: dict[int, int] = {}
 
     def _start_warm(self) -> _Warm:
@@ -305,10 +304,9 @@ class Pool:
             conn.close()
             return
         w.stub = conn
-        self.claimed += 1
         conn.settimeout(None)
         sel.register(conn, selectors.EVENT_READ, w)
-        if self.claimed == len(self.warm):  # every rank has its process: nobody else may claim
+        if all(w.taken or w.ended for w in self.warm):  # nothing left to claim: nobody else may
             sel.unregister(self.listener)
             self.listener.close()
 
