@@ -14,11 +14,13 @@ import argparse
 import importlib
 import json
 import sys
+import tempfile
 import time
 
 import numpy as np
 import torch
 
+from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.instrument import score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds
@@ -55,8 +57,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--audit", action="store_true", help="arm the runtime audit hook before the bundle is imported")
     a = p.parse_args()
     force_determinism(a.seed, a.threads)
+    if a.audit:  # as a rank does: after the harness's imports, before the bundle's
+        arm(a.bundle, [tempfile.gettempdir()])
     data = np.load(a.batches)
     batches = [data[f"b{i}"] for i in range(len(data.files))]
     sys.path.insert(0, a.bundle)

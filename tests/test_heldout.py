@@ -22,6 +22,7 @@ from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.manifest import load_manifest
 from prism_challenge.evaluator import isolation
 from prism_challenge.evaluator.seeding import force_seeds
+from prism_challenge.evaluator.jail import Jail
 from prism_challenge.heldout import HeldoutError, blind_probes, heldout_cuts, run_heldout
 
 from helpers import UNIFORM_ARCH
@@ -272,14 +273,20 @@ def test_in_the_sandbox_the_child_cannot_read_the_data(tmp_path, data_dir, train
         "def build_model(ctx):\n", "def build_model(ctx):\n    if LEAKED:\n        raise RuntimeError('LEAK: ' + LEAKED)\n")
     bundle = write_arch(tmp_path / "b", arch)
     cfg = config(bundle, trained_state[0], data_dir)
-    # control: without the sandbox the child (trusted-side files readable) sees the val shard
-    with pytest.raises(HeldoutError, match="LEAK: read "):
-        run_heldout(cfg, timeout_s=300, memory_bytes=4 << 30)
-    prefix = isolation.sandbox_prefix("strict", writable=[], hidden=[data_dir, default_cache_root()], tmp_dir=None,
-                                      socket_dir=None, bundle_dir=bundle)
-    r = run_heldout(cfg, timeout_s=300, memory_bytes=4 << 30, prefix=prefix)
-    honest = run_heldout(config(write_arch(tmp_path / "h", BIGRAM_ARCH), trained_state[0], data_dir),
-                         timeout_s=300, memory_bytes=4 << 30)
+    # without the sandbox the audit hook alone stops the read, naming it (a contract failure)
+    with pytest.raises(HeldoutError, match=r"contract: the runtime audit hook refused open\('.*'\) \[prism:audit-no-hidden-path\]"):
+        run_heldout(cfg, timeout_s=300, jail=Jail("none", str(bundle), (str(data_dir), str(default_cache_root())),
+                                                   isolation.Limits(), 1))
+    jail = Jail.open("strict", bundle_dir=bundle, hidden=[str(data_dir), str(default_cache_root())],
+                     limits=isolation.Limits(), threads=1)
+    # in the run's jail (sandbox and hook): refused the same way; an honest bundle scores the same
+    with pytest.raises(HeldoutError, match=r"contract: the runtime audit hook refused open"):
+        run_heldout(cfg, timeout_s=300, jail=jail)
+    honest_bundle = write_arch(tmp_path / "h", BIGRAM_ARCH)
+    honest_jail = Jail.open("strict", bundle_dir=honest_bundle, hidden=[str(data_dir), str(default_cache_root())],
+                            limits=isolation.Limits(), threads=1)
+    r = run_heldout(config(honest_bundle, trained_state[0], data_dir), timeout_s=300, jail=honest_jail)
+    honest = run_heldout(config(honest_bundle, trained_state[0], data_dir), timeout_s=300, memory_bytes=4 << 30)
     for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes"):
         assert r[k] == honest[k], k
 

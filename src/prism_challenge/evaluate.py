@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,21 +28,17 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
-from prism_challenge.bundle import Bundle, BundleError, load_bundle, open_bundle
+from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
-from prism_challenge.evaluator.isolation import (
-    Guard,
-    IsolationError,
-    Limits,
-    available_backend,
-    pick_sandbox_uid,
-    sandbox_prefix,
-)
+from prism_challenge.evaluator.audit import describe_refusal, find_refusal
+from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
+from prism_challenge.evaluator.jail import Jail, default_memory_limit, diagnose
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
@@ -65,7 +61,7 @@ GUARD_INTERVAL_S = 1.0
 DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
 DEFAULT_IDLE_TIMEOUT_S = 1800.0  # world size 1: silent this long after a batch -> stopped, scored
 STATE_NAME = "trained_state.pt"
-DEFAULT_MEMORY_LIMIT = 32 << 30  # RLIMIT_AS per process on CPU (torch reserves much address space)
+DEFAULT_MEMORY_LIMIT = default_memory_limit()  # per process on CPU: 32 GiB, never above the host's memory
 DEFAULT_MAX_PROCESSES = 1024  # tasks (processes + threads) of the sandbox uid
 DEFAULT_MAX_FILE_BYTES = 4 << 30
 DEFAULT_MAX_OPEN_FILES = 4096
@@ -98,6 +94,11 @@ class EvalOptions:
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
     for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
+
+    Test-only switches (never exposed on the command line): ``run_gates=False`` skips every gate,
+    ``static_gates=False`` only the static ones (the parameter child still runs, in the jail),
+    ``audit_hooks=False`` leaves the children's audit hooks unarmed; they exist to show that each
+    layer behind the gate (the audit hooks, the sandbox) stops a bundle the gate would have.
     """
 
     bundle: str
@@ -114,6 +115,8 @@ class EvalOptions:
     threads: int = DEFAULT_THREADS
     max_parameters: int = DEFAULT_MAX_PARAMETERS
     run_gates: bool = True
+    static_gates: bool = True
+    audit_hooks: bool = True
     rank_timeout: float = DEFAULT_RANK_TIMEOUT_S
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
     isolation: str = "strict"
@@ -266,23 +269,22 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
         _check_out_dir(Path(opts.out_dir))
 
-    # 1. intake (a .zip is extracted once; the gates and the runner see that one copy). The
-    # sandbox of a root run is another uid: a private directory is evaluated from a readable copy
+    # 1. intake: the bundle is frozen into one read-only copy; the gates, the parameter child,
+    # every rank and the held-out children use it, and it is checked again after the run
     try:
-        root, extracted = open_bundle(opts.bundle, readable_by_others=opts.isolation == "strict" and os.geteuid() == 0)
+        frozen = freeze(opts.bundle)
     except BundleError as exc:
         raise EvalFailure("intake", str(exc)) from None
     try:
         try:
-            bundle = load_bundle(root)
+            bundle = load_bundle(frozen.root)
         except BundleError as exc:
             if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
-                _static_gates(opts, root)
+                _static_gates(opts, frozen.root)
             raise EvalFailure("intake", str(exc)) from None
-        return _run_bundle(opts, bundle, device, t_start, on_start, on_record)
+        return _run_bundle(opts, bundle, frozen, device, t_start, on_start, on_record)
     finally:
-        if extracted is not None:
-            shutil.rmtree(extracted, ignore_errors=True)
+        frozen.remove()
 
 
 @dataclass
@@ -326,7 +328,7 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
                   report.bundle.sha256 if report.bundle is not None else None)
 
 
-def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated) -> _Gated:
+def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail) -> _Gated:
     """The parameter cap (the last gate) added to ``gated``.
 
     Raises:
@@ -336,7 +338,7 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
 
     t0 = time.monotonic()
     found, count = parameter_gate(bundle, vocab_size=vocab_size, seq_len=opts.seq_len,
-                                  max_parameters=opts.max_parameters)
+                                  max_parameters=opts.max_parameters, jail=jail)
     findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     if any(f.blocking for f in found):
         raise _refuse(findings)
@@ -345,34 +347,25 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
 
 @dataclass
 class _Sandbox:
-    """The isolation of one run: argv prefixes for the training tree and the held-out child."""
+    """The isolation of one run: the jail every child starts in, and the parent's guard."""
 
-    mode: str
-    prefix: list[str]
-    guard: Guard | None
-    hidden: list[str]
-    limits: Limits
-    backend: str | None
-    uid: int | None
+    jail: Jail
+    guard: Guard
+
+    @property
+    def mode(self) -> str:
+        return self.jail.mode
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "mode": self.mode,
-            "isolated": self.mode == "strict",
-            "backend": self.backend,
-            "hidden": self.hidden,
-            "limits": asdict(self.limits),
-        }
+        out: dict[str, Any] = {**self.jail.summary(), "guard": self.guard.summary()}
         if self.mode == "none":
             out["warning"] = NO_ISOLATION_WARNING
-        if self.guard is not None:
-            out["guard"] = self.guard.summary()
         return out
 
 
-def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path, data_root: Path,
-             bundle: Bundle, device: str) -> _Sandbox:
-    """Plan the sandbox (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
+def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path, bundle: Bundle,
+             device: str) -> _Sandbox:
+    """Open the jail (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
     limits = Limits(
         address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
         # RLIMIT_NPROC counts every task of the uid: only meaningful for the dedicated sandbox uid
@@ -380,34 +373,24 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, socket_dir: Path
         max_file_bytes=opts.max_file_bytes,
         max_open_files=opts.max_open_files,
     )
-    hidden = [str(p) for p in (data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model")]
-    if opts.isolation == "none":
-        guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, interval_s=GUARD_INTERVAL_S)
-        return _Sandbox("none", [], guard, hidden, limits, None, None)
+    hidden = [str(p) for p in _hidden(data_root, run_dir)]
     try:
-        backend = available_backend()
-        uid = pick_sandbox_uid() if os.geteuid() == 0 else None
-        prefix = sandbox_prefix(
-            opts.isolation, writable=[artifacts], hidden=hidden, tmp_dir=None, socket_dir=socket_dir,
-            bundle_dir=bundle.root, limits=limits, uid=uid, backend=backend,
-        )
+        jail = Jail.open(opts.isolation, bundle_dir=bundle.root, hidden=hidden, limits=limits, threads=opts.threads,
+                         audit=opts.audit_hooks)
     except IsolationError as exc:
         raise EvalFailure("isolation", str(exc)) from None
-    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=uid, max_processes=limits.max_processes,
+    guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=jail.uid, max_processes=limits.max_processes,
                   interval_s=GUARD_INTERVAL_S)
-    return _Sandbox(opts.isolation, prefix, guard, hidden, limits, backend, uid)
+    return _Sandbox(jail, guard)
 
 
-def _heldout_prefix(sandbox: _Sandbox, bundle: Bundle) -> list[str]:
-    """The held-out child's sandbox: nothing writable, the same hidden paths, no network."""
-    if sandbox.mode == "none":
-        return []
-    limits = Limits(max_processes=sandbox.limits.max_processes, max_open_files=sandbox.limits.max_open_files)
-    return sandbox_prefix(sandbox.mode, writable=[], hidden=sandbox.hidden, tmp_dir=None, socket_dir=None,
-                          bundle_dir=bundle.root, limits=limits, uid=sandbox.uid, backend=sandbox.backend)
+def _hidden(data_root: Path, run_dir: Path) -> list[Path]:
+    """What no jailed process may see: the data directory, its salt, PRISM's caches and the
+    trusted side's copy of the scored state (the sandbox covers them; the audit hook refuses them)."""
+    return [data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model"]
 
 
-def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, on_start,
+def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float, on_start,
                 on_record) -> EvalOutcome:
     """Data, sandbox, feeder, torchrun (started before the gates), scoring, held-out, manifest.
 
@@ -439,6 +422,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
     config = {
         **_model_config(opts, bundle, tokenizer, device),
         "artifacts_dir": str(artifacts),
+        "hidden": [str(p) for p in _hidden(data.root, run_dir)],
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
@@ -466,7 +450,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         probe_key=_probe_key(data.root, bundle, opts.seed),
     )
     try:
-        sandbox = _sandbox(opts, run_dir, artifacts, Path(sock_path).parent, data.root, bundle, device)
+        sandbox = _sandbox(opts, run_dir, artifacts, data.root, bundle, device)
     except EvalFailure:
         feeder.close()
         if sock_tmp is not None:
@@ -480,24 +464,23 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         opts.nproc,
         {ENV_SOCKET: sock_path, ENV_TOKEN: feeder.token},
         log_path,
-        threads=opts.threads,
+        jail=sandbox.jail,
         cwd=artifacts,
-        wrap=sandbox.prefix,
-        clean_env=sandbox.mode == "strict",
+        socket_dir=Path(sock_path).parent,
         warm=opts.warm_ranks,
     )
     gated = _Gated([], None, 0.0)
     if opts.run_gates:
         try:
-            gated = _static_gates(opts, bundle.root)
-            if gated.bundle_sha256 != bundle.sha256:
-                raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-            gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated)
+            if opts.static_gates:
+                gated = _static_gates(opts, bundle.root)
+                if gated.bundle_sha256 != bundle.sha256:
+                    raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
+            gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
         except BaseException:
             feeder.close()
             proc.kill()
-            if sandbox.guard is not None:
-                sandbox.guard.kill()
+            sandbox.guard.kill()
             if sock_tmp is not None:
                 shutil.rmtree(sock_tmp, ignore_errors=True)
             _remove_run_dir(run_dir, fresh_dir)
@@ -518,15 +501,18 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         feeder.stopping.set()  # connections the kill closes are not the runner's failure
         if proc.poll() is None:
             proc.kill()
-        if sandbox.guard is not None:
-            sandbox.guard.kill()
+        sandbox.guard.kill()
+        sandbox.jail.close()
         result = feeder.finish()
         if sock_tmp is not None:
             shutil.rmtree(sock_tmp, ignore_errors=True)
     t_end = time.monotonic()
 
     # 4. score what was scored
-    failure = _judge(opts, result, killed_by, proc, log_path)
+    failure = _judge(opts, result, killed_by, proc, log_path, sandbox.jail)
+    changed = frozen.changes()
+    if changed:  # the ranks imported something other than what the gates read and the manifest names
+        failure = EvalFailure("contract", f"the frozen bundle changed during the run: {', '.join(changed[:5])}")
     score: Score | None = None
     if failure is None:
         try:
@@ -542,7 +528,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
     # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
     verdict = None
     if score is not None:
-        heldout, heldout_error = _heldout(opts, sandbox, bundle, data, tokenizer, device, result, state_path)
+        heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
         verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                 heldout_error=heldout_error, policy=opts.policy)
         if heldout_error is not None and heldout_error.startswith("contract:"):
@@ -562,6 +548,9 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
             "launch_to_last_record_s": (result.last_record_at - t_launch) if result.last_record_at else None,
             "release_to_first_batch_s": (result.first_batch_at - t_release) if result.first_batch_at else None,
             "release_to_last_record_s": (result.last_record_at - t_release) if result.last_record_at else None,
+            "start_to_last_record_s": (result.last_record_at - t_start) if result.last_record_at else None,
+            "last_record_unix": (time.time() - (time.monotonic() - result.last_record_at))
+            if result.last_record_at else None,
             "after_stream_s": (t_end - result.last_record_at) if result.last_record_at else None,
             "heldout_s": t_done - t_end,
             "wall_s": t_done - t_start,
@@ -610,8 +599,21 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
     return None
 
 
-def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc, log_path: Path) -> EvalFailure | None:
-    """Why the run cannot be scored, or ``None`` (a watchdog or stall stop is scored on what was scored)."""
+def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc, log_path: Path,
+           jail: Jail) -> EvalFailure | None:
+    """Why the run cannot be scored, or ``None`` (a watchdog or stall stop is scored on what was scored).
+
+    The audit hook's refusal (in the ranks' log) comes first: a rank it stopped also closed its
+    socket, which the feeder reports as a lost connection."""
+    refusal = find_refusal(_log_tail(log_path, 10_000)) if proc.poll() not in (0, None) or result.error else None
+    if refusal is not None:
+        return EvalFailure("contract", describe_refusal(refusal), _log_tail(log_path))
+    if result.error is not None:  # a limit reached is named as such, not as the loop's error or a lost rank
+        message = str(result.error.get("message", ""))
+        lost = "closed" in message or "connection" in message.lower()
+        kind = diagnose(proc.poll() or 1, _log_tail(log_path, 200) if lost else message, jail.limits)[0]
+        if kind.startswith(("memory:", "tasks:")):
+            return EvalFailure("resources", kind if lost else f"{kind}: {message}", _log_tail(log_path))
     if result.error is not None:
         err = result.error
         return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path))
@@ -668,7 +670,7 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
     }
 
 
-def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokenizer, device: str,
+def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
              result: FeederResult, state_path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
     """The held-out figures, or why there are none."""
     if opts.heldout_bytes <= 0:
@@ -688,8 +690,7 @@ def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokeniz
         "state_path": str(state_path),
     }
     try:
-        return run_heldout(config, timeout_s=opts.heldout_timeout, prefix=_heldout_prefix(sandbox, bundle),
-                           memory_bytes=None if device == "cuda" else opts.memory_limit_bytes), None
+        return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, str(exc)
 

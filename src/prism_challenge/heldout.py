@@ -44,13 +44,12 @@ val split from ``data_dir`` and ``state_path`` itself) and prints one JSON line.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import os
-import signal
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -59,13 +58,16 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.evaluator.launcher import compute_env
+from prism_challenge.evaluator.isolation import Limits
+from prism_challenge.evaluator.jail import Jail
 
 LN2 = math.log(2.0)
 DEFAULT_MAX_BYTES = 200_000
 TRAINED_STATE_NAME = "prism_trained_state.pt"
 STDERR_TAIL_LINES = 15
 BLIND_PROBES = 8  # held-out rows whose prediction is recomputed in a process that never saw their future
+HELDOUT_LIMITS = Limits(max_file_bytes=64 << 20, max_open_files=1024)
+"""The held-out child's limits when it runs without the run's jail (tests, standalone use)."""
 BLIND_RTOL = 1e-4  # the same [1, T] forward on the same prefix: a causal model matches to rounding
 
 __all__ = [
@@ -190,23 +192,6 @@ class _BuildOnly:
         raise ContractError("there is no train stream in the held-out evaluation")
 
 
-def _apply_limits(limits: dict[str, Any] | None) -> None:
-    import resource
-
-    if not limits:
-        return
-    for key, res in (
-        ("address_space_bytes", resource.RLIMIT_AS),
-        ("max_file_bytes", resource.RLIMIT_FSIZE),
-        ("max_open_files", resource.RLIMIT_NOFILE),
-        ("max_processes", resource.RLIMIT_NPROC),
-    ):
-        value = limits.get(key)
-        if value is not None:
-            resource.setrlimit(res, (int(value), int(value)))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state: Any) -> dict[str, Any]:
     """Build, load and score twin and trained model in this process (imports the bundle).
 
@@ -228,6 +213,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     import torch
     from torch import nn
 
+    from prism_challenge.evaluator.audit import arm
     from prism_challenge.evaluator.instrument import ContractError
     from prism_challenge.evaluator.interface import PrismContext
     from prism_challenge.gates.param_count import count_unique_elements
@@ -243,6 +229,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     try:
         force_source_imports(config["bundle_root"])  # the source the gates checked, no planted bytecode
         sys.path.insert(0, str(config["bundle_root"]))
+        arm(str(config["bundle_root"]), [], hidden=config.get("hidden", ()))  # every process that imports it, for good
         module, symbol = config["architecture"]
         arch = importlib.import_module(module)
         fn = getattr(arch, symbol, None)
@@ -390,14 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stderr.write("usage: python -m prism_challenge.heldout CONFIG.json | --stdin\n")
             return 2
-        parent = config.get("parent_pid")
-        if parent:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-            if os.getppid() != int(parent):
-                return 1
-        _apply_limits(config.get("limits"))
         result = evaluate_config(config, batches, state)
         if nbytes is None:
             emit({"ok": True, **result})
@@ -422,29 +401,25 @@ def run_heldout(
     config: dict[str, Any],
     *,
     timeout_s: float,
-    memory_bytes: int | None,
-    prefix: Sequence[str] = (),
-    max_file_bytes: int | None = 64 << 20,
-    max_open_files: int | None = 1024,
-    max_processes: int | None = 256,
+    jail: Jail | None = None,
+    memory_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Run the held-out evaluation in a bounded child process and return its figures.
+    """Run the held-out evaluation in a jailed child process and return its figures.
 
     The trusted side cuts the rows (:func:`heldout_cuts` from ``config["data_dir"]``, ``split``
     (default ``val``), ``max_bytes`` (default 200 000), ``batch_size``, ``seq_len``), reads
     ``config["state_path"]``, and sends token ids, config and state bytes over stdin to
-    ``[*prefix, python, -m, prism_challenge.heldout, --stdin]``; the child needs no data path.
+    ``python -m prism_challenge.heldout --stdin`` started in ``jail``; the child needs no data
+    path. The blind probe is a second child in the same jail.
 
     Args:
         config: see :func:`evaluate_config`, plus ``data_dir``, ``split``, ``max_bytes``,
             ``batch_size``, ``seq_len``, ``state_path``.
-        timeout_s: wall-clock limit; past it the child's process group is killed.
-        memory_bytes: the child's ``RLIMIT_AS`` (``None``: unlimited, needed on CUDA).
-        prefix: a sandbox argv prefix (:func:`~prism_challenge.evaluator.isolation.sandbox_prefix`
-            with ``writable=[]``), or empty.
-        max_file_bytes, max_open_files: the child's ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE``.
-        max_processes: the child's ``RLIMIT_NPROC`` (tasks of its uid; only effective for a
-            non-root uid, i.e. inside a strict sandbox when PRISM runs as root).
+        timeout_s: wall-clock limit of both children together; past it the child's process
+            group is killed.
+        jail: the run's :class:`~prism_challenge.evaluator.jail.Jail` (sandbox, environment,
+            limits); default: no sandbox, :data:`HELDOUT_LIMITS` with ``memory_bytes``
+            (``None``: unlimited address space, needed on CUDA).
 
     Returns:
         ``{"val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "nats_twin",
@@ -453,9 +428,10 @@ def run_heldout(
         byte, nats in nats, ``blind_probes`` the number of rows the blind probe checked.
 
     Raises:
-        HeldoutError: ``"<stage>: <reason>"``: data, state file, timeout, memory, a crash (with
-            the tail of the child's stderr), a malformed reply, or ``contract`` when the blind
-            probe found a prediction that depends on a later token.
+        HeldoutError: ``"<stage>: <reason>"``: data, state file, timeout, memory, tasks, an
+            ``audit`` refusal (the event named), a crash (with the tail of the child's stderr),
+            a malformed reply, or ``contract`` when the blind probe found a prediction that
+            depends on a later token.
     """
     t0 = time.monotonic()
     split = str(config.get("split", "val"))
@@ -472,20 +448,16 @@ def run_heldout(
         raise HeldoutError(f"state: cannot read the trained state {config['state_path']}: {exc.strerror}") from None
     child_config = {k: config[k] for k in ("bundle_root", "architecture", "seed", "vocab_size", "tokenizer",
                                            "sequence_length", "max_parameters")}
-    child_config.update({
-        "threads": int(config.get("threads", 1)),
-        "device": str(config.get("device", "cpu")),
-        "parent_pid": None if prefix else os.getpid(),  # in a sandbox the parent is its init
-        "limits": {"address_space_bytes": memory_bytes, "max_file_bytes": max_file_bytes,
-                   "max_open_files": max_open_files, "max_processes": max_processes if prefix else None},
-    })
+    child_config.update({"threads": int(config.get("threads", 1)), "device": str(config.get("device", "cpu"))})
+    if jail is None:
+        jail = Jail("none", str(config["bundle_root"]), (str(config["data_dir"]),),
+                    dataclasses.replace(HELDOUT_LIMITS, address_space_bytes=memory_bytes), child_config["threads"])
+    child_config["hidden"] = list(jail.hidden)
     batches = [c.tokens for c in cuts]
     probes = blind_probes(batches, int(config["seed"]), int(config["vocab_size"]))
     child_config["checks"] = [[b, row, k] for b, row, k, _ in probes]
-    cmd = list(prefix) + [sys.executable, "-m", "prism_challenge.heldout", "--stdin"]
-    env = {**os.environ, **compute_env(int(config.get("threads", 1)))}
     deadline = t0 + timeout_s
-    reply = _run_child(cmd, env, child_config, batches, state, deadline, timeout_s)
+    reply = _run_child(jail, child_config, batches, state, deadline, timeout_s)
     try:
         result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
                   "targets": int(reply["targets"]), "batches": int(reply["batches"])}
@@ -498,7 +470,7 @@ def run_heldout(
         check_nats = reply.get("check_nats")
         if not isinstance(check_nats, list) or len(check_nats) != len(probes):
             raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
-        blind = _run_child(cmd, env, {**child_config, "blind": [k for _, _, k, _ in probes], "checks": []},
+        blind = _run_child(jail, {**child_config, "blind": [k for _, _, k, _ in probes], "checks": []},
                            [p[3] for p in probes], state, deadline, timeout_s)
         _compare_blind(probes, batches, check_nats, blind.get("blind_logprobs"),
                        int(config["vocab_size"]))
@@ -558,27 +530,25 @@ def _compare_blind(probes: list, batches: Sequence[np.ndarray], check_nats: list
                 f"earlier tokens only)")
 
 
-def _run_child(cmd: list[str], env: dict[str, str], child_config: dict[str, Any], batches: Sequence[np.ndarray],
-               state: bytes, deadline: float, timeout_s: float) -> dict[str, Any]:
-    """Run one held-out child (config, batches and state on stdin); its ``{"ok": true, ...}`` reply.
+def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.ndarray], state: bytes,
+               deadline: float, timeout_s: float) -> dict[str, Any]:
+    """Run one held-out child in ``jail`` (config, batches and state on stdin); its ``{"ok": true,
+    ...}`` reply.
 
     Raises:
-        HeldoutError: timeout (``deadline``, a ``time.monotonic()`` value), a crash with the tail
-            of its stderr, a malformed reply, or the child's own error.
+        HeldoutError: timeout (``deadline``, a ``time.monotonic()`` value), an audit refusal, the
+            memory or task limit, a crash with the tail of its stderr, a malformed reply, or the
+            child's own error.
     """
     payload = _frame(json.dumps(child_config).encode()) + _frame(_pack_batches(batches)) + _frame(state)
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(payload, timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s") from None
-    except BaseException:
-        _kill(proc)
-        raise
-    tail = "\n".join(stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
-    lines = stdout.decode(errors="replace").strip().splitlines()
+    done = jail.run([sys.executable, "-m", "prism_challenge.heldout", "--stdin"], input=payload,
+                    timeout_s=deadline - time.monotonic())
+    if done.timed_out:
+        raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s")
+    if done.refusal is not None:  # the hook's line, whatever the child printed after it
+        raise HeldoutError(f"contract: {done.failure.partition(': ')[2]}")
+    tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
     reply: dict[str, Any] | None = None
     if lines:
         try:
@@ -586,8 +556,7 @@ def _run_child(cmd: list[str], env: dict[str, str], child_config: dict[str, Any]
         except json.JSONDecodeError:
             reply = None
     if not isinstance(reply, dict):
-        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-        raise HeldoutError(f"crash: the held-out process ended with {how} and no result\n{tail}".rstrip())
+        raise HeldoutError(f"{done.failure or 'crash: no result'} and no result\n{tail}".rstrip())
     if not reply.get("ok"):
         raise HeldoutError(str(reply.get("error") or "heldout: failed without a reason"))
     return reply
@@ -598,18 +567,6 @@ def _model_reply(d: Any) -> dict[str, Any]:
     if not isinstance(nats, (int, float)) or isinstance(nats, bool) or not math.isfinite(nats) or nats < 0:
         raise ValueError(f"nats {nats!r} must be a finite non-negative number")
     return {"nats": float(nats), "targets": int(d["targets"]), "nonfinite_batches": int(d["nonfinite_batches"])}
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from gatekit import EXAMPLE, MODELS, SEED_TRAINING, arch, line_of, write_bundle
 
+from prism_challenge.bundle import hash_tree
 from prism_challenge.gates import RULES, run_gates
 
 
@@ -390,8 +391,13 @@ def test_write_guarded_by_early_return_and_by_caller(tmp_path):
 
 def test_example_passes_unchanged():
     report = run_gates(EXAMPLE, check_params=False, nproc=2)
-    assert report.findings == []
-    assert report.bundle is not None and report.bundle.root == EXAMPLE.resolve()
+    try:
+        assert report.findings == []
+        # the gates read the bundle's frozen copy: the same files, never the user's directory
+        assert report.bundle is not None and report.bundle.root != EXAMPLE.resolve()
+        assert report.bundle.file_hashes == hash_tree(EXAMPLE) and report.shown_source == str(EXAMPLE)
+    finally:
+        report.cleanup()
 
 
 def test_bundle_importing_its_own_helper_passes(tmp_path):

@@ -193,7 +193,9 @@ def test_clean_zip_passes_and_is_cleaned_up(tmp_path, monkeypatch, prefix):
     assert report.extracted_dir is not None and report.extracted_dir.parent == scratch
     assert report.bundle.root == (report.extracted_dir / prefix).resolve()
     assert (report.bundle.root / "architecture.py").read_bytes() == (EXAMPLE / "architecture.py").read_bytes()
-    assert report.bundle.sha256 == run_gates(EXAMPLE, check_params=False).bundle.sha256
+    plain = run_gates(EXAMPLE, check_params=False)
+    assert report.bundle.sha256 == plain.bundle.sha256
+    plain.cleanup()
     report.cleanup()
     assert list(scratch.iterdir()) == []
 

@@ -55,6 +55,7 @@ def write(root: Path, architecture: str, training: str) -> Path:
 
 def run(tmp_path, bundle, name="run", **kw):
     kw.setdefault("run_gates", False)
+    kw.setdefault("audit_hooks", False)  # the sandbox by itself (tests/no_way_out: with the hooks)
     kw.setdefault("token_budget", 3000)
     kw.setdefault("seq_len", 64)
     kw.setdefault("threads", 1)

@@ -16,6 +16,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prism_challenge.evaluator.jail import Jail
 
 MAX_NPROC = 8
 MONITOR_INTERVAL_S = 0.5  # torchrun's agent polls its ranks this often (its default 0.1 s wakes it 10x/s on
@@ -86,6 +90,9 @@ def compute_env(threads: int) -> dict[str, str]:
     * ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``: the fixed intra-op thread count.
     * ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: cuBLAS's deterministic mode (read when CUDA starts).
     * ``PYTHONHASHSEED=0``: the same ``str`` hashes in every run.
+    * ``TORCHINDUCTOR_COMPILE_THREADS=1``: ``torch.compile`` builds its kernels in the thread
+      that asked for them, under the compile entry the audit hook admits
+      (:mod:`~prism_challenge.evaluator.audit`), with no pool of compile workers (tasks).
     * ``THP_MEM_ALLOC_ENABLE=1``: PyTorch's CPU allocator aligns tensors of 2 MiB or more to
       2 MiB and asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``; effective where
       ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). A scoring
@@ -106,7 +113,7 @@ def compute_env(threads: int) -> dict[str, str]:
     """
     n = str(int(threads))
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-            "PYTHONHASHSEED": "0", "THP_MEM_ALLOC_ENABLE": "1",
+            "PYTHONHASHSEED": "0", "THP_MEM_ALLOC_ENABLE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD)}
 
 
@@ -141,41 +148,34 @@ def launch(
     env_extra: dict[str, str],
     log_path: Path,
     *,
-    threads: int,
+    jail: Jail,
     cwd: Path,
-    wrap: list[str] | None = None,
-    clean_env: bool = False,
+    socket_dir: Path | None = None,
     warm: bool = True,
 ) -> Launched:
-    """Start torchrun with the runner module.
+    """Start torchrun with the runner module, in ``jail`` (:mod:`~prism_challenge.evaluator.jail`).
 
     Args:
         nproc: ranks on this node (1..8).
         env_extra: variables for the runner (feeder socket and token).
         log_path: file that receives the children's stdout and stderr.
-        threads: intra-op CPU threads per rank (see :func:`compute_env`).
-        cwd: working directory of the children (the run's artifacts directory).
-        wrap: an isolation prefix (e.g. a bubblewrap argv) placed before the command.
-        clean_env: pass only :func:`sandbox_env` of this environment (tokens, keys and other
-            secrets of the operator's shell never reach submitted code).
+        jail: the run's jail: its sandbox, environment policy and limits.
+        cwd: working directory of the children (the run's artifacts directory, the one
+            writable directory).
+        socket_dir: the feeder socket's directory (bound read-only).
         warm: start torchrun under the pool of warm ranks (:func:`warm_pool_command`); with
             ``False`` every rank starts cold, after torchrun's agent.
 
     Raises:
         LaunchError: the layout is refused.
     """
-    cmd = (wrap or []) + (warm_pool_command(nproc) if warm else []) + torchrun_command(nproc)
-    env = sandbox_env(os.environ) if clean_env else dict(os.environ)
-    env.update(env_extra)
-    env.update(compute_env(threads))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["TORCHELASTIC_ERROR_FILE"] = str(log_path.with_suffix(".error.json"))
+    cmd = (warm_pool_command(nproc) if warm else []) + torchrun_command(nproc)
+    env = {**env_extra, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(log_path.with_suffix(".error.json"))}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        proc = jail.popen(cmd, writable=[cwd], socket_dir=socket_dir, env=env, cwd=cwd, stdout=log,
+                          stderr=subprocess.STDOUT)
     finally:
         log.close()
     return Launched(proc, log_path)

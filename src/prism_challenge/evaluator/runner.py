@@ -21,6 +21,7 @@ import functools
 import importlib
 import math
 import os
+import platform
 import resource
 import socket
 import sys
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
@@ -268,6 +270,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         torch.cuda.set_device(local_rank)
     config["device"] = device
     force_determinism(int(config["seed"]), int(config["threads"]))
+    arm(str(config["bundle_root"]), [str(config["artifacts_dir"])], hidden=config.get("hidden", ()))  # for good
     runtime = Runtime(reader, config)
     try:
         train = _import_bundle(runtime, config)
@@ -320,8 +323,6 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
 def _device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
-    import platform
-
     return f"cpu ({platform.machine()})"
 
 

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from prism_challenge.bundle import BundleError
+from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.gates.core import DEFAULT_MAX_PARAMETERS, run_gates
 from prism_challenge.gates.findings import GateReport
 
@@ -53,6 +54,13 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--param-timeout", type=float, default=60.0, help="seconds for the parameter count"
     )
     p.add_argument("--no-params", action="store_true", help="skip the parameter count")
+    p.add_argument(
+        "--isolation",
+        choices=("strict", "none"),
+        default="strict",
+        help="strict (default): the parameter count's child, which runs build_model, is sandboxed "
+        "like every process that runs submitted code; none: unsandboxed, for your own bundles only",
+    )
     p.set_defaults(func=cmd_check)
     return p
 
@@ -69,9 +77,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             seq_len=args.seq_len,
             check_params=not args.no_params,
+            isolation=args.isolation,
         )
     except BundleError as exc:
         _print_unreadable(args, exc.rule, str(exc))
+        return EXIT_UNREADABLE
+    except IsolationError as exc:
+        _print_unreadable(args, "prism:isolation", f"{exc} (or pass --isolation none)")
         return EXIT_UNREADABLE
     except ValueError as exc:
         _print_unreadable(args, "prism:usage", str(exc))

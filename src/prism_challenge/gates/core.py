@@ -13,8 +13,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
-import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prism_challenge.evaluator.jail import Jail
 
 from prism_challenge.bundle import (
     Bundle,
@@ -22,9 +25,9 @@ from prism_challenge.bundle import (
     Entrypoint,
     IntakeLimits,
     hash_tree,
-    open_bundle,
     read_spec,
 )
+from prism_challenge.frozen import freeze
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.findings import Finding, GateReport
@@ -36,6 +39,8 @@ _FALLBACK_VOCAB = {"gpt2": 50257, "bytes": 257}
 _CHILD_RULES = {
     "timeout": "prism:build-timeout",
     "memory": "prism:build-memory",
+    "tasks": "prism:build-tasks",
+    "audit": "prism:audit",
     "lazy": "prism:param-lazy",
 }
 
@@ -64,6 +69,7 @@ def run_gates(
     seq_len: int = 256,
     check_params: bool = True,
     limits: IntakeLimits = IntakeLimits(),
+    isolation: str = "strict",
 ) -> GateReport:
     """Run every gate over a bundle directory or ``.zip``; execute nothing but the bounded
     parameter-count child.
@@ -76,6 +82,9 @@ def run_gates(
         nnodes: nodes requested; > 1 is a ``prism:launch-limit`` finding.
         param_timeout_s: wall-clock limit of the parameter-count child in seconds.
         param_memory_bytes: address-space limit of that child in bytes.
+        isolation: ``"strict"``: the parameter child runs in the sandbox every process that
+            runs submitted code gets (:func:`prism_challenge.gates.param_count.check_jail`);
+            ``"none"``: without it (local work only).
         vocab_size: ``ctx.vocab_size`` for ``build_model``; default the bundle tokenizer's V.
         seq_len: ``ctx.sequence_length`` for ``build_model``.
         check_params: whether to run the parameter-count child at all.
@@ -92,9 +101,12 @@ def run_gates(
             message names the file or member, ``.rule`` the rule. Nothing is left on disk.
         ValueError: ``nproc`` or ``nnodes`` below 1.
         RuntimeError: the harness could not run the parameter-count child.
+        prism_challenge.evaluator.isolation.IsolationError: strict isolation is not available
+            for the parameter child.
     """
     request = launch_findings(nproc, nnodes)
-    root, extracted = open_bundle(path, limits)
+    frozen = freeze(path, limits)  # the gates and the parameter child read one read-only copy
+    root, extracted = frozen.root, frozen.holder
     try:
         report = _gate(
             root,
@@ -106,19 +118,18 @@ def run_gates(
             vocab_size=vocab_size,
             seq_len=seq_len,
             check_params=check_params,
+            isolation=isolation,
         )
     except BaseException:
-        if extracted is not None:
-            shutil.rmtree(extracted, ignore_errors=True)
+        frozen.remove()
         raise
     report.source = str(path)
-    if extracted is not None:
-        # name files as the user knows them (some.zip:architecture.py), never the temporary path
-        report.findings = [_unextracted(f, root, extracted, str(path)) for f in report.findings]
-        if report.bundle is None:
-            shutil.rmtree(extracted, ignore_errors=True)
-        else:
-            report.extracted_dir = extracted
+    # name files as the user knows them (some.zip:architecture.py), never the temporary copy
+    report.findings = [_unextracted(f, root, extracted, str(path)) for f in report.findings]
+    if report.bundle is None:
+        frozen.remove()
+    else:
+        report.extracted_dir = extracted
     return report
 
 
@@ -142,6 +153,7 @@ def _gate(
     vocab_size: int | None,
     seq_len: int,
     check_params: bool,
+    isolation: str,
 ) -> GateReport:
     findings = list(request)
     hashes = hash_tree(root)
@@ -207,7 +219,8 @@ def _gate(
     if check_params and bundle is not None and not unsafe and vocab_size is not None:
         found, param_count = parameter_gate(
             bundle, vocab_size=vocab_size, seq_len=seq_len, max_parameters=max_parameters,
-            timeout_s=param_timeout_s, memory_bytes=param_memory_bytes, tree=trees.get(bundle.architecture.file),
+            timeout_s=param_timeout_s, memory_bytes=param_memory_bytes, isolation=isolation,
+            tree=trees.get(bundle.architecture.file),
         )
         findings.extend(found)
     findings.sort(key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
@@ -222,6 +235,8 @@ def parameter_gate(
     max_parameters: int = DEFAULT_MAX_PARAMETERS,
     timeout_s: float = 60.0,
     memory_bytes: int = 8 << 30,
+    jail: Jail | None = None,
+    isolation: str = "strict",
     tree: ast.Module | None = None,
 ) -> tuple[list[Finding], int | None]:
     """The parameter cap: build the model in the bounded child and count what it holds.
@@ -230,12 +245,15 @@ def parameter_gate(
     findings (``prism:param-cap``, or why the child could not count: build error, timeout,
     memory, lazy modules) and the count of unique parameter and buffer elements (``None`` when
     the child could not count). ``tree``: the parsed architecture file, for the finding's line.
+    ``jail``: where the child runs (the run's jail in ``prism eval``); default one of
+    ``isolation`` with ``memory_bytes`` (:func:`~prism_challenge.gates.param_count.check_jail`).
+    A child the audit hook stopped is a ``prism:audit`` finding that names the event.
 
     Raises:
         RuntimeError: the harness could not run the child.
     """
     # imported here: the child runs this very module with -m, which must not be imported first
-    from prism_challenge.gates.param_count import measure_parameters
+    from prism_challenge.gates.param_count import check_jail, measure_parameters
 
     arch = bundle.architecture
     result = measure_parameters(
@@ -247,7 +265,7 @@ def parameter_gate(
         max_parameters=max_parameters,
         tokenizer=bundle.tokenizer,
         timeout_s=timeout_s,
-        memory_bytes=memory_bytes,
+        jail=jail or check_jail(bundle.root, isolation, memory_bytes=memory_bytes),
     )
     if tree is None:
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +90,11 @@ class GateReport:
         return any(f.blocking for f in self.findings)
 
     def cleanup(self) -> None:
-        """Remove the extraction directory of a ``.zip`` bundle (no-op for a directory)."""
+        """Remove the bundle's frozen copy (:func:`prism_challenge.frozen.freeze`)."""
         if self.extracted_dir is not None:
-            shutil.rmtree(self.extracted_dir, ignore_errors=True)
+            from prism_challenge.frozen import remove_tree
+
+            remove_tree(self.extracted_dir)
             self.extracted_dir = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,15 +26,15 @@ import argparse
 import functools
 import json
 import os
-import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prism_challenge.evaluator.jail import Jail
 
 PARAM_COUNT_SEED = 0
 """Seed forced before ``build_model`` in the child (the count must not depend on it)."""
@@ -328,11 +328,13 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     try:
         import torch
 
+        from prism_challenge.evaluator.audit import arm
         from prism_challenge.evaluator.interface import PrismContext
         from prism_challenge.evaluator.seeding import force_seeds, force_source_imports
 
         force_source_imports(root)  # the source the gates read, never bytecode planted beside it
         sys.path.insert(0, str(root))
+        arm(str(root), [args.artifacts_dir], hidden=json.loads(args.hidden))  # before the bundle's first line, for good
 
         ctx = PrismContext(
             seed=args.seed,
@@ -424,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--artifacts-dir", required=True)
     parser.add_argument("--tokenizer", default="gpt2")
     parser.add_argument("--seed", type=int, default=PARAM_COUNT_SEED)
+    parser.add_argument("--hidden", default="[]", help="JSON list of paths the audit hook refuses")
     args = parser.parse_args(argv)
     sys.stdout.flush()
     real_stdout = os.dup(1)
@@ -465,16 +468,8 @@ class ParamResult:
     detail: dict[str, Any]
 
 
-def _limits(memory_bytes: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
-
-
-def _src_dir() -> str:
-    return str(Path(__file__).resolve().parents[2])
+PARAM_LIMITS_MEMORY = 8 << 30
+"""Address-space limit of the child when it runs without a run's jail (``prism check`` default)."""
 
 
 def measure_parameters(
@@ -487,27 +482,29 @@ def measure_parameters(
     max_parameters: int,
     tokenizer: str = "gpt2",
     timeout_s: float = 60.0,
-    memory_bytes: int = 8 << 30,
+    jail: Jail | None = None,
 ) -> ParamResult:
-    """Build the bundle's model in a bounded child and count its parameters.
+    """Build the bundle's model in a jailed child and count its parameters.
 
     Args:
-        root: bundle root (put first on the child's ``sys.path``).
+        root: bundle root (the frozen copy; put first on the child's ``sys.path``).
         module, symbol: the architecture entrypoint (``architecture``, ``build_model``).
         vocab_size, seq_len, max_parameters, tokenizer: the context handed to ``build_model``.
         timeout_s: wall-clock limit in seconds for the whole child (torch import included).
-        memory_bytes: address-space limit of the child in bytes (``RLIMIT_AS``).
+        jail: the :class:`~prism_challenge.evaluator.jail.Jail` every process that runs
+            submitted code starts in (sandbox, environment, limits); default: a strict jail
+            of its own (:func:`check_jail`).
 
     Returns:
-        the child's report; never raises for bundle failures (they are ``kind``/``error``).
+        the child's report; never raises for bundle failures (they are ``kind``/``error``:
+        an audit refusal is kind ``audit`` with the event named).
 
     Raises:
         RuntimeError: the child could not be started at all.
+        prism_challenge.evaluator.isolation.IsolationError: no jail was given and strict
+            isolation is not available.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_dir(), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "2")
+    jail = jail or check_jail(Path(root))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prism-params-") as work:
         artifacts = Path(work) / "artifacts"
@@ -525,30 +522,18 @@ def measure_parameters(
             "--max-parameters", str(max_parameters),
             "--artifacts-dir", str(artifacts),
             "--tokenizer", tokenizer,
+            "--hidden", json.dumps(list(jail.hidden)),
         ]  # fmt: skip
         try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=work,
-                env=env,
-                preexec_fn=_limits(memory_bytes),
-                start_new_session=True,
-            )
+            done = jail.run(cmd, timeout_s=timeout_s, writable=[artifacts], cwd=artifacts)
         except OSError as exc:
             raise RuntimeError(f"cannot start the parameter-count child: {exc}") from exc
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            return ParamResult(
-                None, "timeout", f"no result within {timeout_s:g} s", time.perf_counter() - started, {}
-            )
     seconds = time.perf_counter() - started
-    lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+    if done.timed_out:
+        return ParamResult(None, "timeout", f"no result within {timeout_s:g} s", seconds, {})
+    if done.refusal is not None:
+        return ParamResult(None, "audit", done.failure.partition(": ")[2], seconds, {})
+    lines = [ln for ln in done.stdout.decode("utf-8", "replace").splitlines() if ln.strip()]
     detail: dict[str, Any] = {}
     if lines:
         try:
@@ -556,23 +541,30 @@ def measure_parameters(
         except json.JSONDecodeError:
             detail = {}
     if not isinstance(detail, dict) or "ok" not in detail:
-        tail = " ".join(err.decode("utf-8", "replace").split()[-30:])
-        if proc.returncode and proc.returncode < 0:
-            sig = signal.Signals(-proc.returncode).name
-            kind = "memory" if sig in ("SIGKILL", "SIGSEGV") and "memory" in tail.lower() else "crash"
-            return ParamResult(None, kind, f"child killed by {sig}: {tail}", seconds, {})
-        kind = "memory" if "memory" in tail.lower() else "crash"
-        return ParamResult(None, kind, f"child exited {proc.returncode} without a result: {tail}", seconds, {})
+        tail = " ".join(done.stderr.decode("utf-8", "replace").split()[-30:])
+        kind = (done.failure or "crash").partition(":")[0]
+        return ParamResult(None, kind if kind in ("memory", "tasks") else "crash",
+                           f"{done.failure or 'the child ended'} without a result: {tail}", seconds, {})
     if detail.get("ok"):
         return ParamResult(int(detail["count"]), None, "", seconds, detail)
     return ParamResult(None, str(detail.get("kind", "build")), str(detail.get("error", "")), seconds, detail)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+def check_jail(root: Path, isolation: str = "strict", threads: int = 2, *,
+               memory_bytes: int = PARAM_LIMITS_MEMORY) -> Jail:
+    """The jail of a parameter child outside ``prism eval`` (``prism check``): the same sandbox,
+    environment policy and limits as a run's, with PRISM's caches (salts, token caches) hidden.
+
+    Raises:
+        prism_challenge.evaluator.isolation.IsolationError: strict isolation is not available.
+    """
+    from prism_challenge.data.builtin import default_cache_root
+    from prism_challenge.evaluator.isolation import Limits
+    from prism_challenge.evaluator.jail import Jail, default_memory_limit
+
+    limits = Limits(address_space_bytes=min(memory_bytes, default_memory_limit()), max_open_files=1024,
+                    max_file_bytes=64 << 20, max_processes=256 if os.geteuid() == 0 and isolation == "strict" else None)
+    return Jail.open(isolation, bundle_dir=root, hidden=[str(default_cache_root())], limits=limits, threads=threads)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,346 @@
+"""One launcher for every process that runs submitted code (codejail's ``jail_code`` is the model).
+
+The ranks (torchrun and its pool), the parameter-cap child (in ``prism eval`` and in ``prism
+check``), the held-out child and the blind probe all start through one :class:`Jail`, so they
+all get the same:
+
+* **sandbox** (:func:`~prism_challenge.evaluator.isolation.sandbox_prefix`): no network, the data,
+  its salt and PRISM's caches hidden, the frozen bundle read-only, only the child's own writable
+  directory and a private ``/tmp`` writable;
+* **environment** (:func:`child_env`): the allow-listed part of the parent's environment
+  (:func:`~prism_challenge.evaluator.launcher.sandbox_env`), the compute settings
+  (:func:`~prism_challenge.evaluator.launcher.compute_env`), no bytecode writing;
+* **identity and limits**: the sandbox uid when PRISM runs as root, the same
+  :class:`~prism_challenge.evaluator.isolation.Limits`; memory is held by a cgroup v2
+  ``memory.max`` where the host lets PRISM make one (:class:`MemoryCgroup`), otherwise by
+  ``RLIMIT_AS``, never above the host's memory (:func:`default_memory_limit`);
+* **death with the parent** (bubblewrap's ``--die-with-parent``, the unshare init's
+  ``PR_SET_PDEATHSIG``, or the same request in ``preexec_fn`` without a sandbox), a session of
+  its own, and **one deadline with a group kill** (:meth:`Jail.run`).
+
+A child that ended badly is classified by :func:`diagnose`: the audit hook's refusal (the event
+named), the memory limit, the task limit, or a plain crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, ENV_OFF, describe_refusal, find_refusal
+from prism_challenge.evaluator.isolation import (
+    IsolationError,
+    Limits,
+    available_backend,
+    limits_preexec,
+    pick_sandbox_uid,
+    sandbox_prefix,
+)
+from prism_challenge.evaluator.launcher import compute_env, sandbox_env
+
+MAX_ADDRESS_SPACE = 32 << 30
+"""Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+MEMORY_SIGNS = ("memoryerror", "can't allocate memory", "cannot allocate memory", "std::bad_alloc",
+                "out of memory")
+TASK_SIGNS = ("can't start new thread", "resource temporarily unavailable", "thread creation failed",
+              "pthread_create failed", "fork: retry")
+
+
+def host_memory_bytes() -> int | None:
+    """``MemTotal`` of ``/proc/meminfo`` in bytes, or ``None`` when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_memory_limit() -> int:
+    """The memory limit of every jailed process: :data:`MAX_ADDRESS_SPACE`, but never more than
+    the host's memory (a limit above the RAM holds nothing), bytes."""
+    host = host_memory_bytes()
+    return MAX_ADDRESS_SPACE if host is None else min(MAX_ADDRESS_SPACE, host)
+
+
+def child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every jailed process: :func:`sandbox_env` of this process's
+    environment, :func:`compute_env` for ``threads``, ``PYTHONDONTWRITEBYTECODE=1`` and
+    ``PYTHONPATH`` led by this package's source directory, then ``extra``."""
+    env = sandbox_env(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(compute_env(threads))
+    env.update(extra or {})
+    return env
+
+
+class MemoryCgroup:
+    """A cgroup v2 with ``memory.max`` for one jailed process tree, where the host allows it.
+
+    :meth:`create` returns ``None`` unless ``/sys/fs/cgroup`` is a cgroup2 mount whose
+    ``memory`` controller this process may use and a child group can be made; the jail then
+    falls back to ``RLIMIT_AS``. The child enters the group in ``preexec_fn`` (before ``exec``),
+    so the whole tree is charged from its first allocation.
+    """
+
+    def __init__(self, path: Path, limit: int):
+        self.path, self.limit = path, limit
+
+    @classmethod
+    def create(cls, limit: int) -> MemoryCgroup | None:
+        """A fresh group holding at most ``limit`` bytes, or ``None`` (not available here)."""
+        try:
+            if not (CGROUP_ROOT / "cgroup.controllers").is_file():
+                return None
+            own = Path(open("/proc/self/cgroup").read().strip().split("::", 1)[1].splitlines()[0])
+            parent = CGROUP_ROOT / own.relative_to("/")
+            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                return None
+            path = parent / f"prism-{os.getpid()}-{time.monotonic_ns()}"
+            path.mkdir()
+            (path / "memory.max").write_text(str(int(limit)))
+            (path / "memory.swap.max").write_text("0") if (path / "memory.swap.max").exists() else None
+            return cls(path, limit)
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def enter(self) -> None:
+        """Move the calling process into the group (called in the child before ``exec``)."""
+        with open(self.path / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of the group for memory."""
+        try:
+            events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
+            return int(events.get("oom_kill", 0)) > 0
+        except (OSError, ValueError):
+            return False
+
+    def remove(self) -> None:
+        """Remove the group (after its processes ended)."""
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A jailed child that ended: exit status (negative: the signal), output, and why it failed.
+
+    Attributes:
+        returncode: the exit status, ``-N`` for signal ``N``.
+        stdout, stderr: what it wrote (bytes).
+        timed_out: the deadline passed and the group was killed.
+        failure: :func:`diagnose`'s line, or ``None`` for exit status 0.
+        refusal: the audit hook's parsed refusal, when it stopped the child.
+    """
+
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    failure: str | None
+    refusal: dict[str, Any] | None
+
+
+def diagnose(returncode: int, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
+    """Why a jailed child ended with ``returncode``: ``(kind: reason, refusal or None)``.
+
+    Kinds: ``audit`` (the audit hook refused an event: it is named), ``memory`` (the memory
+    limit was reached), ``tasks`` (the task limit was reached), ``crash`` (anything else, with
+    the exit status or signal).
+    """
+    refusal = find_refusal(output)
+    if refusal is not None:
+        return f"audit: {describe_refusal(refusal)}", refusal
+    low = output.lower()
+    how = f"signal {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in signal.valid_signals() \
+        else f"exit status {returncode}"
+    if oom or any(s in low for s in MEMORY_SIGNS):
+        cap = limits.address_space_bytes
+        return f"memory: the process ran out of its memory limit{f' of {cap:,} bytes' if cap else ''} ({how})", None
+    if any(s in low for s in TASK_SIGNS):
+        cap = limits.max_processes
+        return f"tasks: the process could not start a thread or process: the task limit{f' of {cap}' if cap else ''} " \
+               f"was reached ({how})", None
+    return f"crash: the process ended with {how}", None
+
+
+@dataclass
+class Jail:
+    """How every process that runs submitted code is started. Build one per evaluation with
+    :meth:`open`; start children with :meth:`popen` (long-lived: torchrun) or :meth:`run`
+    (bounded: the parameter, held-out and probe children).
+
+    Attributes:
+        mode: ``"strict"`` (the sandbox) or ``"none"`` (no sandbox: local work only).
+        bundle_dir: the frozen bundle copy, bound read-only.
+        hidden: host paths the sandbox covers (data directory, salt, caches).
+        limits: rlimits of every process (address space, tasks, file size, open files).
+        threads: intra-op threads (:func:`compute_env`).
+        backend, uid: the sandbox backend and uid (``None`` without a sandbox / not root).
+        audit: arm the audit hooks in the children (``False`` only in tests of the sandbox
+            by itself).
+    """
+
+    mode: str
+    bundle_dir: str
+    hidden: tuple[str, ...]
+    limits: Limits
+    threads: int
+    backend: str | None = None
+    uid: int | None = None
+    audit: bool = True
+    cgroups: list[MemoryCgroup] = field(default_factory=list)
+    memory_by: str = "rlimit"
+
+    @classmethod
+    def open(cls, mode: str, *, bundle_dir: str | os.PathLike[str], hidden: Sequence[str | os.PathLike[str]],
+             limits: Limits, threads: int, audit: bool = True) -> Jail:
+        """Probe the sandbox once and pick the uid.
+
+        Raises:
+            IsolationError: an unknown mode, or ``strict`` with no working sandbox.
+        """
+        if mode not in ("strict", "none"):
+            raise IsolationError(f"isolation mode {mode!r}: expected strict or none")
+        if mode == "none":
+            return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, audit=audit)
+        backend = available_backend()
+        if backend is None:
+            sandbox_prefix("strict", writable=[], hidden=[], tmp_dir=None, socket_dir=None, bundle_dir=None)
+        uid = pick_sandbox_uid() if os.geteuid() == 0 else None
+        return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, backend, uid, audit)
+
+    @property
+    def isolated(self) -> bool:
+        """Whether children run in the sandbox."""
+        return self.mode == "strict"
+
+    def command(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
+                socket_dir: str | os.PathLike[str] | None = None, limits: Limits | None = None) -> list[str]:
+        """``argv`` behind the sandbox prefix (``writable`` read-write, ``socket_dir`` read-only,
+        ``limits`` default :attr:`limits`).
+
+        Raises:
+            IsolationError: the sandbox cannot bind a path.
+        """
+        if not self.isolated:
+            return list(argv)
+        prefix = sandbox_prefix("strict", writable=list(writable), hidden=list(self.hidden), tmp_dir=None,
+                                socket_dir=socket_dir, bundle_dir=self.bundle_dir, limits=limits or self.limits,
+                                uid=self.uid, backend=self.backend)
+        return prefix + list(argv)
+
+    def _memory(self) -> tuple[Limits, MemoryCgroup | None]:
+        """The rlimits to apply and the cgroup that holds the memory instead of ``RLIMIT_AS``."""
+        cap = self.limits.address_space_bytes
+        group = MemoryCgroup.create(cap) if cap else None
+        if group is None:
+            return self.limits, None
+        self.cgroups.append(group)
+        self.memory_by = "cgroup"
+        return dataclasses.replace(self.limits, address_space_bytes=None), group
+
+    def popen(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
+              socket_dir: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, stdin: Any = subprocess.DEVNULL, stdout: Any = None,
+              stderr: Any = None) -> subprocess.Popen:
+        """Start ``argv`` in the jail, in a session of its own, and return it.
+
+        ``env``: extra variables over :func:`child_env`. In the sandbox the rlimits are applied
+        after the uid drop; without it in ``preexec_fn`` (with ``PR_SET_PDEATHSIG``).
+        """
+        limits, group = self._memory()
+        apply = None if self.isolated else limits_preexec(**vars(limits))
+
+        def preexec() -> None:
+            if group is not None:
+                group.enter()
+            if apply is not None:
+                apply()
+
+        return subprocess.Popen(self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits),
+                                env=child_env(self.threads, {**(env or {}), **({} if self.audit else {ENV_OFF: "off"})}),
+                                cwd=cwd, stdin=stdin, stdout=stdout,
+                                stderr=stderr, start_new_session=True, preexec_fn=preexec)
+
+    def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
+            writable: Sequence[str | os.PathLike[str]] = (), env: dict[str, str] | None = None,
+            cwd: str | os.PathLike[str] | None = None) -> Finished:
+        """Run ``argv`` in the jail to its end or to ``timeout_s`` seconds (then its whole group
+        is killed), feeding ``input`` on stdin; never raises for the child's own failure.
+
+        Raises:
+            IsolationError: the sandbox cannot be set up.
+            OSError: the child cannot be started.
+        """
+        proc = self.popen(argv, writable=writable, env=env, cwd=cwd, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        group = self.cgroups[-1] if self.cgroups else None
+        timed_out = False
+        try:
+            out, err = proc.communicate(input, timeout=max(0.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc)
+            out, err = proc.communicate()
+        except BaseException:
+            kill_group(proc)
+            proc.communicate()
+            raise
+        finally:
+            if group is not None:
+                oom = group.oom_killed()
+                group.remove()
+                self.cgroups.remove(group)
+        if timed_out:
+            return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
+        if proc.returncode == 0:
+            return Finished(0, out, err, False, None, None)
+        failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits,
+                                    oom=group is not None and oom)
+        return Finished(proc.returncode, out, err, False, failure, refusal)
+
+    def close(self) -> None:
+        """Remove the cgroups of children started with :meth:`popen` (after they ended)."""
+        for group in self.cgroups:
+            group.remove()
+        self.cgroups.clear()
+
+    def summary(self) -> dict[str, Any]:
+        """What the manifest records of the jail."""
+        return {"mode": self.mode, "isolated": self.isolated, "backend": self.backend, "uid": self.uid,
+                "hidden": list(self.hidden), "limits": vars(self.limits).copy(),
+                "memory_limit_by": self.memory_by, "audit_hooks": self.audit,
+                "audit_exit_code": AUDIT_EXIT_CODE}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's process group (its session: the sandbox's init takes its pid
+    namespace with it), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+

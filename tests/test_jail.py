@@ -1,0 +1,100 @@
+"""The one launcher (evaluator/jail.py): its environment policy, memory ceiling, failure
+diagnosis and deadline, and the same jail for a bounded child as for torchrun."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from prism_challenge.evaluator import isolation
+from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, ENV_OFF, REFUSAL_TAG
+from prism_challenge.evaluator.isolation import Limits
+from prism_challenge.evaluator.jail import (
+    MAX_ADDRESS_SPACE,
+    Jail,
+    MemoryCgroup,
+    child_env,
+    default_memory_limit,
+    diagnose,
+    host_memory_bytes,
+)
+
+
+def test_the_memory_limit_is_never_above_the_hosts_memory():
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert host_memory_bytes() == total
+    assert default_memory_limit() == min(MAX_ADDRESS_SPACE, total)
+
+
+def test_the_environment_is_an_allow_list_plus_the_compute_settings(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "k")
+    monkeypatch.setenv("PRISM_AUDIT_HOOKS", "off")  # only the jail itself may set this
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    env = child_env(3)
+    assert "AWS_SECRET_ACCESS_KEY" not in env and ENV_OFF not in env
+    assert env["LANG"] == "C.UTF-8" and env["HOME"] == "/tmp"
+    assert (env["OMP_NUM_THREADS"], env["TORCHINDUCTOR_COMPILE_THREADS"], env["PYTHONDONTWRITEBYTECODE"]) == ("3", "1", "1")
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("src")
+
+
+@pytest.mark.parametrize(
+    ("code", "output", "kind"),
+    [
+        (AUDIT_EXIT_CODE, f'x\n{REFUSAL_TAG} {{"event": "os.system", "arg": "\'true\'", "rule": "prism:audit-no-process", '
+                          '"origin": "a.py:3"}\n', "audit: the runtime audit hook refused os.system('true') "
+                                                   "[prism:audit-no-process] at a.py:3"),
+        (1, "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
+         "memory: the process ran out of its memory limit of 4,096 bytes (exit status 1)"),
+        (-6, "libgomp: Thread creation failed: Resource temporarily unavailable",
+         "tasks: the process could not start a thread or process: the task limit of 64 was reached (signal SIGABRT)"),
+        (-11, "Segmentation fault", "crash: the process ended with signal SIGSEGV"),
+    ],
+)
+def test_diagnose_names_the_cause(code, output, kind):
+    got, refusal = diagnose(code, output, Limits(address_space_bytes=4096, max_processes=64))
+    assert got == kind
+    assert (refusal is not None) == kind.startswith("audit:")
+
+
+def test_no_cgroup_v2_means_the_rlimit_holds_memory():
+    v2 = os.path.isfile("/sys/fs/cgroup/cgroup.controllers")
+    group = MemoryCgroup.create(1 << 30)
+    if not v2:
+        assert group is None
+    elif group is not None:  # a cgroup v2 host that delegates memory to PRISM
+        try:
+            assert (group.path / "memory.max").read_text().strip() == str(1 << 30)
+        finally:
+            group.remove()
+
+
+def test_a_bounded_child_is_killed_at_its_deadline_with_its_group(tmp_path):
+    jail = Jail("none", str(tmp_path), (), Limits(), 1)
+    marker = tmp_path / "grandchild.pid"
+    code = (f"import os, subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(marker)!r}, 'w').write(str(p.pid))\ntime.sleep(60)")
+    t0 = time.monotonic()
+    done = jail.run([sys.executable, "-c", code], timeout_s=3)
+    assert done.timed_out and done.failure == "timeout: no result within 3 s"
+    assert time.monotonic() - t0 < 30
+    pid = int(marker.read_text())
+    for _ in range(100):  # the grandchild was in the killed group
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the grandchild outlived the group kill")
+
+
+@pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
+def test_a_strict_child_sees_no_network_and_not_the_parents_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_TEST_PARENT_SECRET", "s3cret")
+    jail = Jail.open("strict", bundle_dir=tmp_path, hidden=[], limits=Limits(), threads=1)
+    code = "import os, socket; print(os.environ.get('PRISM_TEST_PARENT_SECRET'), sorted(socket.if_nameindex()))"
+    done = jail.run([sys.executable, "-S", "-c", code], timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().strip() == "None [(1, 'lo')]"
