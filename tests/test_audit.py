@@ -103,7 +103,7 @@ def test_a_loopback_connection_is_refused_before_it_is_made(bundle: Path, tmp_pa
     assert (found["event"], found["rule"]) == ("socket.__new__", "prism:audit-no-network")
 
 
-@pytest.mark.parametrize("compiled", ["", "1"])
+@pytest.mark.parametrize("compiled", ["", pytest.param("1", marks=pytest.mark.slow)])
 def test_an_honest_step_runs_and_a_compiled_one_is_admitted(bundle: Path, tmp_path: Path, compiled: str) -> None:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "art" / "inductor")} if compiled else None
     res = _run(bundle, tmp_path / "art", "honest", "train", str(tmp_path / "art"), compiled, env=env)
