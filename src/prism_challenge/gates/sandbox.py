@@ -66,8 +66,10 @@ from prism_challenge.gates.astindex import (
     absolute_module,
     lookup,
 )
+from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_attr, is_allowed_path
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
+from prism_challenge.gates.owned import defined_names
 
 NET = "prism:no-network"
 PROC = "prism:no-process"
@@ -85,6 +87,7 @@ CTX_FORGE = "prism:ctx-forge"
 PRIVATE = "prism:private-attr"
 DYN_ATTR = "prism:dynamic-attr"
 NOT_ALLOWED = "prism:import-not-allowed"
+NOT_LISTED = NOT_ALLOWLISTED
 
 ALLOWED_ROOTS = frozenset(
     {"torch", "math", "typing", "dataclasses", "collections", "functools", "itertools", "__future__"}
@@ -439,7 +442,12 @@ def defines_symbol(tree: ast.Module, symbol: str) -> bool:
 
 
 def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
-    """The (rule, reason) an import of ``modname`` breaks, or ``None`` when it is allowed."""
+    """The (rule, reason) an import of ``modname`` breaks, or ``None`` when it is allowed.
+
+    Also judges attribute paths (``torch.nn.functional.gelu``): the deny rules first
+    (:data:`BLOCKED_MODULES`, :data:`NAMESPACE_ALLOW`, private names), then, on the allowed
+    modules, the allow-list (:func:`prism_challenge.gates.allowlist.is_allowed_path`,
+    ``prism:not-allowlisted``)."""
     parts = modname.split(".")
     if parts[0] in own:
         return None
@@ -454,9 +462,16 @@ def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
         if parts[0] == "torch" and any(_private(p) for p in parts[1:]):
             return TORCH_PRIVATE, f"private torch module '{modname}'"
         return PRIVATE, f"private module or name '{modname}'"
-    if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES:
-        return None
+    if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES or _harness_path(modname):
+        if is_allowed_path(modname):
+            return None
+        return NOT_LISTED, f"'{modname}' is not on the allow-list ({ALLOWLIST_FILE})"
     return NOT_ALLOWED, f"module '{modname}' is not on the import allowlist"
+
+
+def _harness_path(qualname: str) -> bool:
+    """Whether ``qualname`` is a path inside one of :data:`ALLOWED_MODULES`."""
+    return any(qualname.startswith(m + ".") for m in ALLOWED_MODULES)
 
 
 def namespace_rule(qualname: str) -> tuple[str, str] | None:
@@ -573,10 +588,46 @@ class Checker:
     def run(self) -> list[Finding]:
         """Check the module; return its findings."""
         for node in self.info.walk():
+            self.current = node
             handler = getattr(self, "_on_" + type(node).__name__, None)
             if handler is not None:
                 handler(node)
+        # a line that breaks a deny rule keeps that rule's id alone
+        denied = {f.line for f in self.findings if f.rule != NOT_LISTED}
+        self.findings = [f for f in self.findings if f.rule != NOT_LISTED or f.line not in denied]
         return self.findings
+
+    def add_at(self, rule: str, line: int, col: int, message: str) -> None:
+        """Record a finding at an explicit position (one per rule and position)."""
+        key = (rule, line, col)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.findings.append(Finding(rule, self.info.rel, line, col, message))
+
+    def _name_position(self, node: ast.AST, attr: str) -> tuple[int, int]:
+        """Where the attribute name of ``node`` (``x.attr``) starts; the node's start otherwise."""
+        if isinstance(node, ast.Attribute) and node.end_lineno and node.end_col_offset is not None:
+            end = ast.Attribute(lineno=node.end_lineno, col_offset=node.end_col_offset - len(attr.encode("utf-8")))
+            return self.info.position(end)
+        return self.info.position(node)
+
+    def _listed_attr(self, node: ast.AST, attr: str, base_q: frozenset[str]) -> None:
+        """The allow-list's attribute rule: on an object that is not an allowed module or a
+        listed object (those paths are judged whole by :func:`module_rule`), ``attr`` must be
+        on the allow-list or defined by the bundle itself."""
+        if any(self._library(q) for q in base_q):
+            return
+        if is_allowed_attr(attr) or attr in defined_names(self.index):
+            return
+        line, col = self._name_position(node, attr)
+        self.add_at(NOT_LISTED, line, col,
+                    f"attribute '{attr}' is not on the allow-list ({ALLOWLIST_FILE}) and the bundle does not define it")
+
+    def _library(self, q: str) -> bool:
+        """Whether ``q`` is a path on an allowed (trusted) module rather than a bundle object."""
+        if q.startswith("<") or _root(q) in self.own or _root(q) == "builtins":
+            return False
+        return _root(q) in ALLOWED_ROOTS or q in ALLOWED_MODULES or _harness_path(q)
 
     # -- imports ---------------------------------------------------------------------------
     def _on_Import(self, node: ast.Import) -> None:
@@ -624,13 +675,15 @@ class Checker:
         if hit:
             return hit
         live = live_name(full)
-        if live is None:
-            return None
-        if live.startswith("builtins."):
+        if live is not None and live.startswith("builtins."):
             rule = BLOCKED_BUILTINS.get(live[len("builtins.") :])
-            return (rule, f"'{full}' is {live}") if rule else None
-        hit = module_rule(live, self.own)
-        return (hit[0], f"'{full}' is {live}") if hit else None
+            if rule:
+                return rule, f"'{full}' is {live}"
+        elif live is not None:
+            hit = module_rule(live, self.own)
+            if hit:
+                return hit[0], f"'{full}' is {live}"
+        return module_rule(full, self.own)  # the allow-list judges the name as spelled
 
     # -- names -----------------------------------------------------------------------------
     def _on_Name(self, node: ast.Name) -> None:
@@ -736,6 +789,7 @@ class Checker:
         for attr in node.kwd_attrs:
             if attr.startswith("_"):
                 self.add(PRIVATE, node, f"class pattern reads the private attribute '{attr}'")
+            self._listed_attr(node, attr, frozenset())
         if node.patterns:
             qs = self.q(node.cls)
             if not qs or not all(q[len("builtins.") :] in BUILTIN_MATCH_TYPES for q in qs if q.startswith("builtins.")) or any(
@@ -781,11 +835,21 @@ class Checker:
             return
         if node.attr in ("format", "format_map") and not self._literal_str(node.value):
             self.add(DYN_ATTR, node, f"str.{node.attr} on a string that is not a literal can read any attribute")
+        elif node.attr in ("format", "format_map"):
+            self._format_fields(node)
         full = self.q(node)
         self._blocked_prefix(node, base_q, full)
         self._module_value(node, full)
         self._class_value(node, full)
         self._reference(node, full)
+        self._listed_attr(node, node.attr, base_q)
+
+    def _format_fields(self, node: ast.Attribute) -> None:
+        """``"{0.attr}".format(x)`` reads ``attr``: the allow-list's attribute rule."""
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for fld in _FORMAT_FIELD.findall(node.value.value):
+                for attr in _FIELD_DOT.findall(fld):
+                    self._listed_attr(node.value, attr, frozenset())
 
     def _attr_name_rules(
         self,
@@ -970,8 +1034,13 @@ class Checker:
         hits = [(q, rule_of(q)) for q in sorted(full)]
         hits = [h for h in hits if h[1]]
         if hits:  # what the path really is (its live name) before its spelling (a private name)
-            q, rule = min(hits, key=lambda h: h[1] in (PRIVATE, TORCH_PRIVATE))
-            self.add(rule, node, f"'{q}' is blocked")
+            q, rule = min(hits, key=lambda h: (h[1] in (PRIVATE, TORCH_PRIVATE), h[1] == NOT_LISTED))
+            if rule == NOT_LISTED:
+                attr = q.rsplit(".", 1)[-1]
+                line, col = self._name_position(node, attr)
+                self.add_at(rule, line, col, f"'{q}' is not on the allow-list ({ALLOWLIST_FILE})")
+            else:
+                self.add(rule, node, f"'{q}' is blocked")
 
     def _reference(self, node: ast.AST, qs: frozenset[str]) -> None:
         """Rules about what an expression *is*: torch.load/save, blocked objects, ctx forging."""
@@ -1090,6 +1159,10 @@ class Checker:
         attr = node.args[1].value
         base_q = self.q(node.args[0])
         self._attr_name_rules(node, attr, base_q, node.args[0], store=which in ("setattr", "delattr"))
+        if which in ("getattr", "hasattr"):
+            self._listed_attr(node, attr, base_q)
+            if which == "hasattr":
+                self._blocked_prefix(node, base_q, frozenset(f"{q}.{attr}" for q in base_q))
         if which == "getattr":
             full = self.q(node)
             self._blocked_prefix(node, base_q, full)
