@@ -5,7 +5,9 @@ still be used on an object when the bundle defines that name somewhere: it assig
 ``obj.name``, calls ``setattr(obj, "name", v)``, defines a function, method or class called
 ``name``, binds ``name`` in a class body (class attributes, dataclass and ``NamedTuple``
 fields), binds it at the top level of one of its modules, names a ``namedtuple`` field
-``name``, or has a module or package called ``name``.
+``name``, registers a buffer, parameter or submodule ``name`` (``register_buffer("name", t)``),
+keys a ``ModuleDict``/``ParameterDict``/``Sequential``/``OrderedDict`` with ``name``, or has a
+module or package called ``name``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import weakref
 
 from prism_challenge.gates.astindex import BundleIndex
 
+_REGISTERS = frozenset({"register_buffer", "register_parameter", "register_module", "add_module"})
+"""Module methods whose first argument names an attribute of the module."""
+_KEYED = frozenset({"ModuleDict", "ParameterDict", "Sequential", "OrderedDict"})
+"""Containers whose keys (keywords, dict keys, ``(key, value)`` pairs) become attributes."""
 _FIELD_SPLIT = re.compile(r"[\s,]+")
 _CACHE: weakref.WeakKeyDictionary[BundleIndex, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -52,6 +58,21 @@ def _call_names(node: ast.Call) -> set[str]:
         arg = node.args[1]
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
             return {arg.value}
+    if fname in _REGISTERS and node.args:
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return {arg.value}
+    if fname in _KEYED:
+        out = {kw.arg for kw in node.keywords if kw.arg}
+        for sub in node.args:
+            for item in ast.walk(sub):
+                if isinstance(item, ast.Dict):
+                    out.update(k.value for k in item.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+                elif isinstance(item, ast.Tuple) and item.elts:
+                    k = item.elts[0]
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                        out.add(k.value)
+        return out
     if fname in ("namedtuple", "NamedTuple") and len(node.args) >= 2:
         out: set[str] = set()
         for sub in ast.walk(node.args[1]):

@@ -1267,11 +1267,20 @@ def is_context(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
 
 
 def may_call(index: BundleIndex, fn: ast.AST, call: ast.Call, info: ModuleInfo) -> bool:
-    """Whether ``call`` (matched by name) may call the bundle function ``fn``."""
+    """Whether ``call`` (matched by name) may call the bundle function ``fn``.
+
+    A method call on an object the gate cannot name (``model.train()``) may call a top-level
+    function of that name only when the bundle stores something under that attribute name
+    (modules used as values are refused, so the object is not a bundle module)."""
     qs = index.canonical(index.resolve(call.func, info.scope_for(call)))
-    if not qs:
-        return True
     scope = index.scope_of_def(fn)
+    if not qs:
+        return not (
+            isinstance(call.func, ast.Attribute)
+            and call.func.attr not in index.fields
+            and scope is not None
+            and scope.kind == "module"
+        )
     if scope is None or scope.kind != "module":
         return False
     return f"{index.info_of(scope).name}.{getattr(fn, 'name', '')}" in qs
