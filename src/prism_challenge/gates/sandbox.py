@@ -67,6 +67,7 @@ from prism_challenge.gates.astindex import (
     lookup,
 )
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_attr, is_allowed_path
+from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
 from prism_challenge.gates.owned import defined_names
@@ -382,7 +383,9 @@ def parse_source(rel: str, data: bytes) -> tuple[str | None, ast.Module | None, 
 
     Returns:
         (source text, module tree, findings): text/tree are ``None`` with a ``prism:encoding``
-        or ``prism:syntax`` finding (line and 1-based column of the error) when unreadable.
+        or ``prism:syntax`` finding (line and 1-based column of the error) when unreadable,
+        and the tree is ``None`` with a ``prism:too-complex`` finding when the file nests too
+        deep for the parser or the gate (:mod:`prism_challenge.gates.complexity`).
     """
     try:
         encoding, _ = tokenize.detect_encoding(BytesIO(data).readline)
@@ -400,11 +403,18 @@ def parse_source(rel: str, data: bytes) -> tuple[str | None, ast.Module | None, 
     try:
         tree = ast.parse(text, filename=rel)
     except SyntaxError as exc:
+        if any(limit in (exc.msg or "") for limit in PARSER_LIMITS):
+            return text, None, [too_complex(rel, exc.lineno or 0, exc.msg)]
         return text, None, [
             Finding("prism:syntax", rel, exc.lineno or 0, exc.offset or 0, f"syntax error: {exc.msg}")
         ]
     except ValueError as exc:  # e.g. null bytes on older interpreters
         return text, None, [Finding("prism:syntax", rel, 0, 0, f"syntax error: {exc}")]
+    except (RecursionError, MemoryError) as exc:  # the parser ran out of stack or memory
+        return text, None, [too_complex(rel, busiest_line(text), describe(exc))]
+    deep = nesting_finding(rel, tree)
+    if deep is not None:
+        return text, None, [deep]
     return text, tree, []
 
 
@@ -558,7 +568,9 @@ class Checker:
         self.own = index.top_level_names
         self.findings: list[Finding] = []
         self._seen: set[tuple[str, int, int]] = set()
+        self._seen_messages: set[tuple[str, int, str]] = set()
         self._docstrings = _docstring_ids(info.tree)
+        self.current: ast.AST = info.tree
 
     # -- helpers ---------------------------------------------------------------------------
     def add(self, rule: str, node: ast.AST, message: str) -> None:
@@ -598,10 +610,10 @@ class Checker:
         return self.findings
 
     def add_at(self, rule: str, line: int, col: int, message: str) -> None:
-        """Record a finding at an explicit position (one per rule and position)."""
-        key = (rule, line, col)
-        if key not in self._seen:
-            self._seen.add(key)
+        """Record a finding at an explicit position (one per rule and message on a line)."""
+        key = (rule, line, message)
+        if key not in self._seen_messages:
+            self._seen_messages.add(key)
             self.findings.append(Finding(rule, self.info.rel, line, col, message))
 
     def _name_position(self, node: ast.AST, attr: str) -> tuple[int, int]:
@@ -1365,10 +1377,16 @@ def _docstring_ids(tree: ast.Module) -> set[int]:
 
 
 def check_modules(index: BundleIndex) -> list[Finding]:
-    """Run the sandbox over every module of ``index``; findings in file order."""
+    """Run the sandbox over every module of ``index``; findings in file order. A module whose
+    check raises (a recursion too deep for the gate) gets a ``prism:too-complex`` finding at
+    the node being checked, after what was found before."""
     out: list[Finding] = []
     for name in sorted(index.modules, key=lambda n: index.modules[n].rel):
-        out.extend(Checker(index, index.modules[name]).run())
+        checker = Checker(index, index.modules[name])
+        found, failed = guarded(checker.info.rel, lambda: checker.info.position(checker.current)[0], checker.run)
+        out.extend(checker.findings if found is None else found)
+        if failed is not None:  # what was found before the failure stands
+            out.append(failed)
     return out
 
 
