@@ -169,12 +169,14 @@ def _gate(
             continue
         text, tree, problems = parse_source(rel, (root / rel).read_bytes())
         findings.extend(problems)
-        if tree is None or text is None:
-            continue
-        symbols = {entries[rel][0].symbol} if rel in entries else set()
-        info, failed = guarded(rel, lambda: deepest(tree)[1], lambda: build_module(rel, text, tree, symbols))
-        if failed is not None:
-            findings.append(failed)
+        info, failed = None, None
+        if tree is not None and text is not None:
+            symbols = {entries[rel][0].symbol} if rel in entries else set()
+            info, failed = guarded(rel, lambda: deepest(tree)[1], lambda: build_module(rel, text, tree, symbols))
+        if info is None or tree is None:
+            findings.extend([failed] if failed is not None else [])
+            # an empty stand-in keeps the file a bundle module: its importers are not also refused
+            modules.append(build_module(rel, "", ast.parse(""), ()))
             continue
         trees[rel] = tree
         modules.append(info)
