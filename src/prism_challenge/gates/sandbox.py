@@ -66,11 +66,11 @@ from prism_challenge.gates.astindex import (
     absolute_module,
     lookup,
 )
-from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_attr, is_allowed_path
+from prism_challenge.gates.allowcheck import AllowlistChecks
+from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
-from prism_challenge.gates.owned import defined_names
 
 NET = "prism:no-network"
 PROC = "prism:no-process"
@@ -554,7 +554,7 @@ def shadowed_modules(index: BundleIndex, root: Path) -> list[Finding]:
 # the checker
 
 
-class Checker:
+class Checker(AllowlistChecks):
     """Runs every sandbox rule over one module of an indexed bundle.
 
     Args:
@@ -604,38 +604,10 @@ class Checker:
             handler = getattr(self, "_on_" + type(node).__name__, None)
             if handler is not None:
                 handler(node)
-        # a line that breaks a deny rule keeps that rule's id alone
-        denied = {f.line for f in self.findings if f.rule != NOT_LISTED}
-        self.findings = [f for f in self.findings if f.rule != NOT_LISTED or f.line not in denied]
+        self.drop_redundant()
         return self.findings
 
-    def add_at(self, rule: str, line: int, col: int, message: str) -> None:
-        """Record a finding at an explicit position (one per rule and message on a line)."""
-        key = (rule, line, message)
-        if key not in self._seen_messages:
-            self._seen_messages.add(key)
-            self.findings.append(Finding(rule, self.info.rel, line, col, message))
-
-    def _name_position(self, node: ast.AST, attr: str) -> tuple[int, int]:
-        """Where the attribute name of ``node`` (``x.attr``) starts; the node's start otherwise."""
-        if isinstance(node, ast.Attribute) and node.end_lineno and node.end_col_offset is not None:
-            end = ast.Attribute(lineno=node.end_lineno, col_offset=node.end_col_offset - len(attr.encode("utf-8")))
-            return self.info.position(end)
-        return self.info.position(node)
-
-    def _listed_attr(self, node: ast.AST, attr: str, base_q: frozenset[str]) -> None:
-        """The allow-list's attribute rule: on an object that is not an allowed module or a
-        listed object (those paths are judged whole by :func:`module_rule`), ``attr`` must be
-        on the allow-list or defined by the bundle itself."""
-        if any(self._library(q) for q in base_q):
-            return
-        if is_allowed_attr(attr) or attr in defined_names(self.index):
-            return
-        line, col = self._name_position(node, attr)
-        self.add_at(NOT_LISTED, line, col,
-                    f"attribute '{attr}' is not on the allow-list ({ALLOWLIST_FILE}) and the bundle does not define it")
-
-    def _library(self, q: str) -> bool:
+    def is_library(self, q: str) -> bool:
         """Whether ``q`` is a path on an allowed (trusted) module rather than a bundle object."""
         if q.startswith("<") or _root(q) in self.own or _root(q) == "builtins":
             return False
@@ -801,7 +773,7 @@ class Checker:
         for attr in node.kwd_attrs:
             if attr.startswith("_"):
                 self.add(PRIVATE, node, f"class pattern reads the private attribute '{attr}'")
-            self._listed_attr(node, attr, frozenset())
+            self.listed_attr(node, attr, frozenset())
         if node.patterns:
             qs = self.q(node.cls)
             if not qs or not all(q[len("builtins.") :] in BUILTIN_MATCH_TYPES for q in qs if q.startswith("builtins.")) or any(
@@ -848,20 +820,13 @@ class Checker:
         if node.attr in ("format", "format_map") and not self._literal_str(node.value):
             self.add(DYN_ATTR, node, f"str.{node.attr} on a string that is not a literal can read any attribute")
         elif node.attr in ("format", "format_map"):
-            self._format_fields(node)
+            self.format_fields(node)
         full = self.q(node)
         self._blocked_prefix(node, base_q, full)
         self._module_value(node, full)
         self._class_value(node, full)
         self._reference(node, full)
-        self._listed_attr(node, node.attr, base_q)
-
-    def _format_fields(self, node: ast.Attribute) -> None:
-        """``"{0.attr}".format(x)`` reads ``attr``: the allow-list's attribute rule."""
-        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            for fld in _FORMAT_FIELD.findall(node.value.value):
-                for attr in _FIELD_DOT.findall(fld):
-                    self._listed_attr(node.value, attr, frozenset())
+        self.listed_attr(node, node.attr, base_q)
 
     def _attr_name_rules(
         self,
@@ -1049,7 +1014,7 @@ class Checker:
             q, rule = min(hits, key=lambda h: (h[1] in (PRIVATE, TORCH_PRIVATE), h[1] == NOT_LISTED))
             if rule == NOT_LISTED:
                 attr = q.rsplit(".", 1)[-1]
-                line, col = self._name_position(node, attr)
+                line, col = self.name_position(node, attr)
                 self.add_at(rule, line, col, f"'{q}' is not on the allow-list ({ALLOWLIST_FILE})")
             else:
                 self.add(rule, node, f"'{q}' is blocked")
@@ -1172,7 +1137,7 @@ class Checker:
         base_q = self.q(node.args[0])
         self._attr_name_rules(node, attr, base_q, node.args[0], store=which in ("setattr", "delattr"))
         if which in ("getattr", "hasattr"):
-            self._listed_attr(node, attr, base_q)
+            self.listed_attr(node, attr, base_q)
             if which == "hasattr":
                 self._blocked_prefix(node, base_q, frozenset(f"{q}.{attr}" for q in base_q))
         if which == "getattr":
