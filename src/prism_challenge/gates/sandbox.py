@@ -6,6 +6,14 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
 * imports only from the allowlist (:data:`ALLOWED_ROOTS`, :data:`ALLOWED_MODULES` and the
   bundle's own modules); known network/process/filesystem/FFI/... modules get their specific
   rule (:data:`BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
+* the allow-list (``gates/allowlist.toml``, :mod:`prism_challenge.gates.allowlist`), after
+  the deny rules: every path a bundle reaches on an allowed module (import, ``from`` import,
+  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`module_rule`), and every
+  attribute name used on any other object must be listed or defined by the bundle itself
+  (:mod:`prism_challenge.gates.allowcheck`, :mod:`prism_challenge.gates.owned`); else
+  ``prism:not-allowlisted``, reported only on lines that break no deny rule;
+* a file nested too deep for the gate (or that makes any check fail) is ``prism:too-complex``
+  (:mod:`prism_challenge.gates.complexity`): the gate never crashes;
 * builtins :data:`BLOCKED_BUILTINS` (``open``, ``eval``, ...) whenever the name is not a
   function-local variable (a module- or class-level rebinding does not count: a load before
   the rebinding still reaches the builtin);
