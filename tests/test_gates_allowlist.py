@@ -7,6 +7,7 @@ import shutil
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -60,9 +61,8 @@ def test_red_team_library_loaded_by_path_is_refused(tmp_path):
         ("", "n = torch.ops.aten.add(1, 2)", "ops", "'torch.ops'"),
         ("", "v = torch.backends.cudnn.version()", "cudnn", "'torch.backends.cudnn'"),
         ("", "m = torch.nn.DataParallel(model)", "DataParallel", "'torch.nn.DataParallel'"),
-        ("", "s = model.emb.weight.untyped_storage()", "untyped_storage", "attribute 'untyped_storage'"),
-        ("", "model.emb.weight.share_memory_()", "share_memory_", "attribute 'share_memory_'"),
-        ("", "p = model.emb.weight.data_ptr()", "data_ptr", "attribute 'data_ptr'"),
+        ("", "s = model.emb.weight.set_()", "set_", "attribute 'set_'"),
+        ("", "p = model.emb.weight.as_strided((1,), (1,))", "as_strided", "attribute 'as_strided'"),
         ("", 'n = getattr(model.emb.weight, "numpy")()', "numpy", "attribute 'numpy'"),
         ("", "t = F.torch.ops", "F.torch", "'torch.nn.functional.torch'"),
         ("from torch.utils.data import DataLoader", "", "DataLoader", "'torch.utils.data.DataLoader'"),
@@ -115,6 +115,19 @@ def test_names_the_bundle_defines_itself_pass(tmp_path):
     '''
     report = run_gates(write_bundle(tmp_path, {"architecture.py": arch(top, body)}), check_params=False)
     assert report.findings == []
+
+
+@pytest.mark.parametrize(
+    "name,rule",
+    [("share_memory_", "prism:no-filesystem"), ("untyped_storage", "prism:no-filesystem"),
+     ("data_ptr", "prism:no-introspection"), ("as_subclass", "prism:no-monkeypatch")],
+)
+def test_names_off_the_list_that_are_denied_stay_refused_when_the_bundle_defines_them(tmp_path, name, rule):
+    top = f"class Fake:\n    def {name}(self):\n        return 0"
+    src = arch(top=top, body=f"x = model.emb.weight.{name}()")
+    report = run_gates(write_bundle(tmp_path, {"architecture.py": src}), check_params=False)
+    assert (rule, line_of(src, f"weight.{name}")) in {(f.rule, f.line) for f in report.findings}
+    assert NOT_ALLOWLISTED not in {f.rule for f in report.findings}
 
 
 def test_a_deny_rule_keeps_its_own_id_on_its_line(tmp_path):
@@ -192,7 +205,8 @@ def test_every_entry_exists_and_hangs_off_a_listed_parent():
         parent = mod.rpartition(".")[0]
         assert not parent or parent in al.modules or parent == "prism_challenge.evaluator", mod
     for path in sorted(al.paths):
-        _resolve(path)
+        # a listed object's attributes are allowed by name: it must not be a module
+        assert not isinstance(_resolve(path), ModuleType), path
         parent = path.rpartition(".")[0]
         assert parent in al.modules or parent in al.paths, path
 

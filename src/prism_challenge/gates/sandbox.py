@@ -230,6 +230,11 @@ BLOCKED_ATTRS: dict[str, str] = {
         "register_torch_dispatch",
     ),
     **_group(PICKLE, "load_cache_artifacts"),
+    # refused even where a bundle defines the name (the allow-list's own-name exemption):
+    # shared-memory files, raw addresses, storages behind the tensor API, tensor subclasses
+    **_group(FS, "share_memory_ share_memory untyped_storage _share_filename_"),
+    **_group(INTRO, "data_ptr const_data_ptr"),
+    **_group(PATCH, "as_subclass"),
 }
 """Attribute names blocked on any object (they reach FFI, files, pickles, eval or patch ops)."""
 
