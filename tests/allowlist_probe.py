@@ -226,6 +226,7 @@ def main() -> None:
         raise _Timeout
 
     signal.signal(signal.SIGALRM, alarm)
+    devnull = open(os.devnull, "w")
     sys.addaudithook(hook)
     current["name"] = "<canary>"  # the hook sees what it is after: a file opened, a new import
     open(os.devnull).close()
@@ -234,6 +235,7 @@ def main() -> None:
     canary = sorted({e["event"] for e in events if e["callable"] == "<canary>"})
     events.clear()
     calls = 0
+    real_stdout, sys.stdout = sys.stdout, devnull  # print() and friends are called too
     for name, obj in callables:
         for pattern in PATTERNS:
             args = _args(pattern)
@@ -251,6 +253,7 @@ def main() -> None:
             _new_modules(known, events, current)
             calls += 1
     current["name"] = ""
+    sys.stdout = real_stdout
     print(json.dumps({"resolved": len(callables), "calls": calls, "canary": canary, "source_hits": hits,
                       "events": events}))
 

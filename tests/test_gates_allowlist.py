@@ -68,7 +68,11 @@ def test_red_team_library_loaded_by_path_is_refused(tmp_path):
         ("from torch.utils.data import DataLoader", "", "DataLoader", "'torch.utils.data.DataLoader'"),
         ("import torch.xpu", "", "import torch.xpu", "'torch.xpu'"),
         ("from torch.nn.modules import linear", "", "linear", "'torch.nn.modules'"),
-        ("", 'u = "{0.untyped_storage}".format(model.emb.weight)', "format", "attribute 'untyped_storage'"),
+        ("", 'u = "{0.set_}".format(model.emb.weight)', "format", "attribute 'set_'"),
+        ("", "license()", "license", "builtin 'license'"),
+        ("", "names = dir(model)", "dir(", "builtin 'dir'"),
+        ("", 'm = memoryview(b"ab")', "memoryview", "builtin 'memoryview'"),
+        ("def late():\n    return copyright", "", "return copyright", "builtin 'copyright'"),
     ],
 )
 def test_paths_and_names_off_the_list_are_refused(tmp_path, top, body, needle, named):
@@ -208,7 +212,7 @@ def test_every_entry_exists_and_hangs_off_a_listed_parent():
         # a listed object's attributes are allowed by name: it must not be a module
         assert not isinstance(_resolve(path), ModuleType), path
         parent = path.rpartition(".")[0]
-        assert parent in al.modules or parent in al.paths, path
+        assert parent in al.modules or parent in al.paths or parent == "builtins", path
 
 
 def test_nothing_that_loads_runs_or_evaluates_is_listed():

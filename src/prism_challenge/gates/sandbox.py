@@ -57,6 +57,7 @@ runtime sandbox.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib.machinery
 import re
 import sys
@@ -378,6 +379,7 @@ WRAPPER_CALLS = frozenset({"functools.update_wrapper", "functools.wraps"})
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 
 PRISM_CONTEXT = "prism_challenge.evaluator.interface.PrismContext"
+_BUILTIN_NAMES = frozenset(vars(builtins))
 _FORMAT_FIELD = re.compile(r"\{([^{}]*)\}")
 _FIELD_ATTR = re.compile(r"[.\[]\s*([A-Za-z_]\w*)")
 _FIELD_DOT = re.compile(r"\.\s*([A-Za-z_]\w*)")
@@ -699,6 +701,8 @@ class Checker(AllowlistChecks):
         if node.id in BLOCKED_BUILTINS and self.is_builtin(node.id, node):
             self.add(BLOCKED_BUILTINS[node.id], node, f"builtin '{node.id}' is blocked")
             return
+        if node.id in _BUILTIN_NAMES and self.is_builtin(node.id, node) and not is_allowed_path(f"builtins.{node.id}"):
+            self.add(NOT_LISTED, node, f"builtin '{node.id}' is not on the allow-list ({ALLOWLIST_FILE})")
         if node.id in ("getattr", "setattr", "delattr", "hasattr") and self.is_builtin(node.id, node):
             if not self._is_call_func(node) and node.id != "hasattr":
                 self.add(DYN_ATTR, node, f"'{node.id}' passed around uncalled hides attribute names")
