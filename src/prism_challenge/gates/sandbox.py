@@ -8,8 +8,9 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
   rule (:data:`BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
 * the allow-list (``gates/allowlist.toml``, :mod:`prism_challenge.gates.allowlist`), after
   the deny rules: every path a bundle reaches on an allowed module (import, ``from`` import,
-  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`module_rule`), and every
-  attribute name used on any other object must be listed or defined by the bundle itself
+  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`module_rule`), so must
+  every builtin it reaches, and every attribute name used on any other object must be listed
+  or defined by the bundle itself
   (:mod:`prism_challenge.gates.allowcheck`, :mod:`prism_challenge.gates.owned`); else
   ``prism:not-allowlisted``, reported only on lines that break no deny rule;
 * a file nested too deep for the gate (or that makes any check fail) is ``prism:too-complex``
