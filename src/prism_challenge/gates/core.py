@@ -167,7 +167,9 @@ def _gate(
     for rel in sorted(hashes):
         if not rel.endswith(".py"):
             continue
-        text, tree, problems = parse_source(rel, (root / rel).read_bytes())
+        data = (root / rel).read_bytes()
+        parsed, failed = guarded(rel, lambda: 0, lambda: parse_source(rel, data))
+        text, tree, problems = parsed if parsed is not None else (None, None, [failed])
         findings.extend(problems)
         info, failed = None, None
         if tree is not None and text is not None:

@@ -839,6 +839,8 @@ class Checker(AllowlistChecks):
             self.add(DYN_ATTR, node, f"str.{node.attr} on a string that is not a literal can read any attribute")
         elif node.attr in ("format", "format_map"):
             self.format_fields(node)
+        if node.attr == "compile" and self._call_of(node) is None and not self._is_decorator(node):
+            self.add(DYN, node, "'.compile' referenced without calling it directly (its backend and options are checked at the call)")
         full = self.q(node)
         self._blocked_prefix(node, base_q, full)
         self._module_value(node, full)
