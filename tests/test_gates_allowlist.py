@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -237,3 +238,16 @@ def test_nothing_that_loads_runs_or_evaluates_is_listed():
 def test_the_allow_list_ships_with_the_package():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "gates/allowlist.toml" in data["tool"]["setuptools"]["package-data"]["prism_challenge"]
+
+
+def test_module_rule_opens_no_file_once_the_sandbox_is_imported():
+    # the ranks' runtime audit hook calls module_rule: the allow-list is read at import, not then
+    code = (
+        "import sys\n"
+        "import prism_challenge.gates.sandbox as sb\n"
+        "seen = []\n"
+        "sys.addaudithook(lambda e, a: seen.append(a[0]) if e == 'open' else None)\n"
+        "print(sb.module_rule('torch.nn.functional', set()), sb.module_rule('torch.xpu', set())[0], seen)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", NOT_ALLOWLISTED, "[]"], out.stderr[-2000:]

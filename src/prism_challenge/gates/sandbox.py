@@ -77,7 +77,7 @@ from prism_challenge.gates.astindex import (
     lookup,
 )
 from prism_challenge.gates.allowcheck import AllowlistChecks
-from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path
+from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
@@ -99,6 +99,7 @@ PRIVATE = "prism:private-attr"
 DYN_ATTR = "prism:dynamic-attr"
 NOT_ALLOWED = "prism:import-not-allowed"
 NOT_LISTED = NOT_ALLOWLISTED
+load_allowlist()  # read the data file at import: a runtime audit hook calling module_rule never opens it
 
 ALLOWED_ROOTS = frozenset(
     {"torch", "math", "typing", "dataclasses", "collections", "functools", "itertools", "__future__"}
