@@ -92,8 +92,8 @@ def is_allowed_attr(name: str) -> bool:
 
 
 def is_allowed_module(modname: str) -> bool:
-    """Whether ``modname`` is a listed module (or an ancestor package of one: ``prism_challenge``
-    for ``prism_challenge.evaluator.interface``)."""
+    """Whether ``modname`` is listed under ``modules`` (every module is listed itself, its
+    parent packages too; ``prism_challenge.evaluator.interface`` is the one harness module)."""
     return modname in load_allowlist().modules
 
 
