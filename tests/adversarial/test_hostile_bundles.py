@@ -208,6 +208,7 @@ CASES: list[Case] = [
     A("compile-options", "prism:no-dynamic-code", "torch.compile", body='m = torch.compile(model, options={"cpp.cxx": ("sh",)})'),
     A("module-compile-backend", "prism:no-dynamic-code", "model.compile", top="def be(gm, example_inputs):\n    return gm", body="model.compile(backend=be)"),
     A("compile-alias", "prism:no-dynamic-code", "c = torch.compile", body='c = torch.compile\nm = c(model, backend="x")'),
+    A("module-compile-alias", "prism:no-dynamic-code", "c = model.compile", top="def be(gm, example_inputs):\n    return gm", body="c = model.compile\nc(backend=be)"),
     A("ops-import-module", "prism:no-dynamic-code", "import_module", body='o = torch.ops.import_module("os")'),
     A("dunder-path", "prism:no-dynamic-code", "__path__", top='__path__ = ["/usr/lib/python3"]'),
     A("dunder-package", "prism:no-dynamic-code", "__package__", top='__package__ = "prism_challenge.evaluator"'),

@@ -29,6 +29,7 @@ from prism_challenge.bundle import (
 )
 from prism_challenge.frozen import freeze
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
+from prism_challenge.gates.complexity import deepest, guarded
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.findings import Finding, GateReport
 from prism_challenge.gates.rules import CONTRACT_RULES
@@ -178,13 +179,21 @@ def _gate(
     for rel in sorted(hashes):
         if not rel.endswith(".py"):
             continue
-        text, tree, problems = parse_source(rel, (root / rel).read_bytes())
+        data = (root / rel).read_bytes()
+        parsed, failed = guarded(rel, lambda: 0, lambda: parse_source(rel, data))
+        text, tree, problems = parsed if parsed is not None else (None, None, [failed])
         findings.extend(problems)
-        if tree is None or text is None:
+        info, failed = None, None
+        if tree is not None and text is not None:
+            symbols = {entries[rel][0].symbol} if rel in entries else set()
+            info, failed = guarded(rel, lambda: deepest(tree)[1], lambda: build_module(rel, text, tree, symbols))
+        if info is None or tree is None:
+            findings.extend([failed] if failed is not None else [])
+            # an empty stand-in keeps the file a bundle module: its importers are not also refused
+            modules.append(build_module(rel, "", ast.parse(""), ()))
             continue
         trees[rel] = tree
-        symbols = {entries[rel][0].symbol} if rel in entries else set()
-        modules.append(build_module(rel, text, tree, symbols))
+        modules.append(info)
 
     for rel, (ep, what) in sorted(entries.items()):
         if rel in trees and not defines_symbol(trees[rel], ep.symbol):
@@ -192,20 +201,7 @@ def _gate(
                 Finding("prism:missing-symbol", rel, 0, 0, f"{rel} does not define the {what} entrypoint {ep.symbol!r}")
             )
 
-    index = BundleIndex(modules)
-    findings.extend(check_modules(index))
-    findings.extend(shadowed_modules(index, root))
-
-    if bundle is not None and bundle.training.file in trees:
-        findings.extend(
-            check_contract(
-                index,
-                module_name(bundle.training.file),
-                bundle.training.file,
-                bundle.training.symbol,
-                blocking=nproc > 1,
-            )
-        )
+    findings.extend(_checked(modules, root, bundle, trees, nproc))
 
     if bundle is not None and vocab_size is None:
         vocab_size = tokenizer_vocab_size(bundle.tokenizer)
@@ -225,6 +221,37 @@ def _gate(
         findings.extend(found)
     findings.sort(key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     return GateReport(bundle, findings, param_count, max_parameters)
+
+
+def _checked(
+    modules: list[ModuleInfo], root: Path, bundle: Bundle | None, trees: dict[str, ast.Module], nproc: int
+) -> list[Finding]:
+    """The AST sandbox, module shadowing and the multi-GPU contract over the parsed modules.
+
+    Never raises: a step that fails (a recursion too deep for the gate, memory) becomes a
+    ``prism:too-complex`` finding in the file it was checking (see
+    :mod:`prism_challenge.gates.complexity`)."""
+    first = modules[0].rel if modules else ""
+    index, failed = guarded(first, lambda: 0, lambda: BundleIndex(modules))
+    if index is None:
+        return [failed] if failed is not None else []
+    out: list[Finding] = []
+    for step in (lambda: check_modules(index), lambda: shadowed_modules(index, root)):
+        found, failed = guarded(first, lambda: 0, step)
+        out.extend(found or [])
+        if failed is not None:
+            out.append(failed)
+    if bundle is not None and bundle.training.file in trees:
+        train = bundle.training
+        found, failed = guarded(
+            train.file,
+            lambda: deepest(trees[train.file])[1],
+            lambda: check_contract(index, module_name(train.file), train.file, train.symbol, blocking=nproc > 1),
+        )
+        out.extend(found or [])
+        if failed is not None:
+            out.append(failed)
+    return out
 
 
 def parameter_gate(

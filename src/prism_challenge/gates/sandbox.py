@@ -6,6 +6,15 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
 * imports only from the allowlist (:data:`ALLOWED_ROOTS`, :data:`ALLOWED_MODULES` and the
   bundle's own modules); known network/process/filesystem/FFI/... modules get their specific
   rule (:data:`BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
+* the allow-list (``gates/allowlist.toml``, :mod:`prism_challenge.gates.allowlist`), after
+  the deny rules: every path a bundle reaches on an allowed module (import, ``from`` import,
+  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`module_rule`), so must
+  every builtin it reaches, and every attribute name used on any other object must be listed
+  or defined by the bundle itself
+  (:mod:`prism_challenge.gates.allowcheck`, :mod:`prism_challenge.gates.owned`); else
+  ``prism:not-allowlisted``, reported only on lines that break no deny rule;
+* a file nested too deep for the gate (or that makes any check fail) is ``prism:too-complex``
+  (:mod:`prism_challenge.gates.complexity`): the gate never crashes;
 * builtins :data:`BLOCKED_BUILTINS` (``open``, ``eval``, ...) whenever the name is not a
   function-local variable (a module- or class-level rebinding does not count: a load before
   the rebinding still reaches the builtin);
@@ -49,6 +58,7 @@ runtime sandbox.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib.machinery
 import re
 import sys
@@ -66,6 +76,9 @@ from prism_challenge.gates.astindex import (
     absolute_module,
     lookup,
 )
+from prism_challenge.gates.allowcheck import AllowlistChecks
+from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
+from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
 
@@ -85,6 +98,8 @@ CTX_FORGE = "prism:ctx-forge"
 PRIVATE = "prism:private-attr"
 DYN_ATTR = "prism:dynamic-attr"
 NOT_ALLOWED = "prism:import-not-allowed"
+NOT_LISTED = NOT_ALLOWLISTED
+load_allowlist()  # read the data file at import: a runtime audit hook calling module_rule never opens it
 
 ALLOWED_ROOTS = frozenset(
     {"torch", "math", "typing", "dataclasses", "collections", "functools", "itertools", "__future__"}
@@ -218,6 +233,11 @@ BLOCKED_ATTRS: dict[str, str] = {
         "register_torch_dispatch",
     ),
     **_group(PICKLE, "load_cache_artifacts"),
+    # refused even where a bundle defines the name (the allow-list's own-name exemption):
+    # shared-memory files, raw addresses, storages behind the tensor API, tensor subclasses
+    **_group(FS, "share_memory_ share_memory untyped_storage _share_filename_"),
+    **_group(INTRO, "data_ptr const_data_ptr"),
+    **_group(PATCH, "as_subclass"),
 }
 """Attribute names blocked on any object (they reach FFI, files, pickles, eval or patch ops)."""
 
@@ -361,6 +381,7 @@ WRAPPER_CALLS = frozenset({"functools.update_wrapper", "functools.wraps"})
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 
 PRISM_CONTEXT = "prism_challenge.evaluator.interface.PrismContext"
+_BUILTIN_NAMES = frozenset(vars(builtins))
 _FORMAT_FIELD = re.compile(r"\{([^{}]*)\}")
 _FIELD_ATTR = re.compile(r"[.\[]\s*([A-Za-z_]\w*)")
 _FIELD_DOT = re.compile(r"\.\s*([A-Za-z_]\w*)")
@@ -379,7 +400,9 @@ def parse_source(rel: str, data: bytes) -> tuple[str | None, ast.Module | None, 
 
     Returns:
         (source text, module tree, findings): text/tree are ``None`` with a ``prism:encoding``
-        or ``prism:syntax`` finding (line and 1-based column of the error) when unreadable.
+        or ``prism:syntax`` finding (line and 1-based column of the error) when unreadable,
+        and the tree is ``None`` with a ``prism:too-complex`` finding when the file nests too
+        deep for the parser or the gate (:mod:`prism_challenge.gates.complexity`).
     """
     try:
         encoding, _ = tokenize.detect_encoding(BytesIO(data).readline)
@@ -397,11 +420,18 @@ def parse_source(rel: str, data: bytes) -> tuple[str | None, ast.Module | None, 
     try:
         tree = ast.parse(text, filename=rel)
     except SyntaxError as exc:
+        if any(limit in (exc.msg or "") for limit in PARSER_LIMITS):
+            return text, None, [too_complex(rel, exc.lineno or 0, exc.msg)]
         return text, None, [
             Finding("prism:syntax", rel, exc.lineno or 0, exc.offset or 0, f"syntax error: {exc.msg}")
         ]
     except ValueError as exc:  # e.g. null bytes on older interpreters
         return text, None, [Finding("prism:syntax", rel, 0, 0, f"syntax error: {exc}")]
+    except (RecursionError, MemoryError) as exc:  # the parser ran out of stack or memory
+        return text, None, [too_complex(rel, busiest_line(text), describe(exc))]
+    deep = nesting_finding(rel, tree)
+    if deep is not None:
+        return text, None, [deep]
     return text, tree, []
 
 
@@ -439,7 +469,12 @@ def defines_symbol(tree: ast.Module, symbol: str) -> bool:
 
 
 def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
-    """The (rule, reason) an import of ``modname`` breaks, or ``None`` when it is allowed."""
+    """The (rule, reason) an import of ``modname`` breaks, or ``None`` when it is allowed.
+
+    Also judges attribute paths (``torch.nn.functional.gelu``): the deny rules first
+    (:data:`BLOCKED_MODULES`, :data:`NAMESPACE_ALLOW`, private names), then, on the allowed
+    modules, the allow-list (:func:`prism_challenge.gates.allowlist.is_allowed_path`,
+    ``prism:not-allowlisted``)."""
     parts = modname.split(".")
     if parts[0] in own:
         return None
@@ -454,9 +489,16 @@ def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
         if parts[0] == "torch" and any(_private(p) for p in parts[1:]):
             return TORCH_PRIVATE, f"private torch module '{modname}'"
         return PRIVATE, f"private module or name '{modname}'"
-    if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES:
-        return None
+    if parts[0] in ALLOWED_ROOTS or modname in ALLOWED_MODULES or _harness_path(modname):
+        if is_allowed_path(modname):
+            return None
+        return NOT_LISTED, f"'{modname}' is not on the allow-list ({ALLOWLIST_FILE})"
     return NOT_ALLOWED, f"module '{modname}' is not on the import allowlist"
+
+
+def _harness_path(qualname: str) -> bool:
+    """Whether ``qualname`` is a path inside one of :data:`ALLOWED_MODULES`."""
+    return any(qualname.startswith(m + ".") for m in ALLOWED_MODULES)
 
 
 def namespace_rule(qualname: str) -> tuple[str, str] | None:
@@ -529,7 +571,7 @@ def shadowed_modules(index: BundleIndex, root: Path) -> list[Finding]:
 # the checker
 
 
-class Checker:
+class Checker(AllowlistChecks):
     """Runs every sandbox rule over one module of an indexed bundle.
 
     Args:
@@ -543,7 +585,9 @@ class Checker:
         self.own = index.top_level_names
         self.findings: list[Finding] = []
         self._seen: set[tuple[str, int, int]] = set()
+        self._seen_messages: set[tuple[str, int, str]] = set()
         self._docstrings = _docstring_ids(info.tree)
+        self.current: ast.AST = info.tree
 
     # -- helpers ---------------------------------------------------------------------------
     def add(self, rule: str, node: ast.AST, message: str) -> None:
@@ -573,10 +617,18 @@ class Checker:
     def run(self) -> list[Finding]:
         """Check the module; return its findings."""
         for node in self.info.walk():
+            self.current = node
             handler = getattr(self, "_on_" + type(node).__name__, None)
             if handler is not None:
                 handler(node)
+        self.drop_redundant()
         return self.findings
+
+    def is_library(self, q: str) -> bool:
+        """Whether ``q`` is a path on an allowed (trusted) module rather than a bundle object."""
+        if q.startswith("<") or _root(q) in self.own or _root(q) == "builtins":
+            return False
+        return _root(q) in ALLOWED_ROOTS or q in ALLOWED_MODULES or _harness_path(q)
 
     # -- imports ---------------------------------------------------------------------------
     def _on_Import(self, node: ast.Import) -> None:
@@ -624,13 +676,15 @@ class Checker:
         if hit:
             return hit
         live = live_name(full)
-        if live is None:
-            return None
-        if live.startswith("builtins."):
+        if live is not None and live.startswith("builtins."):
             rule = BLOCKED_BUILTINS.get(live[len("builtins.") :])
-            return (rule, f"'{full}' is {live}") if rule else None
-        hit = module_rule(live, self.own)
-        return (hit[0], f"'{full}' is {live}") if hit else None
+            if rule:
+                return rule, f"'{full}' is {live}"
+        elif live is not None:
+            hit = module_rule(live, self.own)
+            if hit:
+                return hit[0], f"'{full}' is {live}"
+        return module_rule(full, self.own)  # the allow-list judges the name as spelled
 
     # -- names -----------------------------------------------------------------------------
     def _on_Name(self, node: ast.Name) -> None:
@@ -649,6 +703,8 @@ class Checker:
         if node.id in BLOCKED_BUILTINS and self.is_builtin(node.id, node):
             self.add(BLOCKED_BUILTINS[node.id], node, f"builtin '{node.id}' is blocked")
             return
+        if node.id in _BUILTIN_NAMES and self.is_builtin(node.id, node) and not is_allowed_path(f"builtins.{node.id}"):
+            self.add(NOT_LISTED, node, f"builtin '{node.id}' is not on the allow-list ({ALLOWLIST_FILE})")
         if node.id in ("getattr", "setattr", "delattr", "hasattr") and self.is_builtin(node.id, node):
             if not self._is_call_func(node) and node.id != "hasattr":
                 self.add(DYN_ATTR, node, f"'{node.id}' passed around uncalled hides attribute names")
@@ -736,6 +792,7 @@ class Checker:
         for attr in node.kwd_attrs:
             if attr.startswith("_"):
                 self.add(PRIVATE, node, f"class pattern reads the private attribute '{attr}'")
+            self.listed_attr(node, attr, frozenset())
         if node.patterns:
             qs = self.q(node.cls)
             if not qs or not all(q[len("builtins.") :] in BUILTIN_MATCH_TYPES for q in qs if q.startswith("builtins.")) or any(
@@ -781,11 +838,16 @@ class Checker:
             return
         if node.attr in ("format", "format_map") and not self._literal_str(node.value):
             self.add(DYN_ATTR, node, f"str.{node.attr} on a string that is not a literal can read any attribute")
+        elif node.attr in ("format", "format_map"):
+            self.format_fields(node)
+        if node.attr == "compile" and self._call_of(node) is None and not self._is_decorator(node):
+            self.add(DYN, node, "'.compile' referenced without calling it directly (its backend and options are checked at the call)")
         full = self.q(node)
         self._blocked_prefix(node, base_q, full)
         self._module_value(node, full)
         self._class_value(node, full)
         self._reference(node, full)
+        self.listed_attr(node, node.attr, base_q)
 
     def _attr_name_rules(
         self,
@@ -970,8 +1032,13 @@ class Checker:
         hits = [(q, rule_of(q)) for q in sorted(full)]
         hits = [h for h in hits if h[1]]
         if hits:  # what the path really is (its live name) before its spelling (a private name)
-            q, rule = min(hits, key=lambda h: h[1] in (PRIVATE, TORCH_PRIVATE))
-            self.add(rule, node, f"'{q}' is blocked")
+            q, rule = min(hits, key=lambda h: (h[1] in (PRIVATE, TORCH_PRIVATE), h[1] == NOT_LISTED))
+            if rule == NOT_LISTED:
+                attr = q.rsplit(".", 1)[-1]
+                line, col = self.name_position(node, attr)
+                self.add_at(rule, line, col, f"'{q}' is not on the allow-list ({ALLOWLIST_FILE})")
+            else:
+                self.add(rule, node, f"'{q}' is blocked")
 
     def _reference(self, node: ast.AST, qs: frozenset[str]) -> None:
         """Rules about what an expression *is*: torch.load/save, blocked objects, ctx forging."""
@@ -1090,6 +1157,10 @@ class Checker:
         attr = node.args[1].value
         base_q = self.q(node.args[0])
         self._attr_name_rules(node, attr, base_q, node.args[0], store=which in ("setattr", "delattr"))
+        if which in ("getattr", "hasattr"):
+            self.listed_attr(node, attr, base_q)
+            if which == "hasattr":
+                self._blocked_prefix(node, base_q, frozenset(f"{q}.{attr}" for q in base_q))
         if which == "getattr":
             full = self.q(node)
             self._blocked_prefix(node, base_q, full)
@@ -1194,11 +1265,20 @@ def is_context(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
 
 
 def may_call(index: BundleIndex, fn: ast.AST, call: ast.Call, info: ModuleInfo) -> bool:
-    """Whether ``call`` (matched by name) may call the bundle function ``fn``."""
+    """Whether ``call`` (matched by name) may call the bundle function ``fn``.
+
+    A method call on an object the gate cannot name (``model.train()``) may call a top-level
+    function of that name only when the bundle stores something under that attribute name
+    (modules used as values are refused, so the object is not a bundle module)."""
     qs = index.canonical(index.resolve(call.func, info.scope_for(call)))
-    if not qs:
-        return True
     scope = index.scope_of_def(fn)
+    if not qs:
+        return not (
+            isinstance(call.func, ast.Attribute)
+            and call.func.attr not in index.fields
+            and scope is not None
+            and scope.kind == "module"
+        )
     if scope is None or scope.kind != "module":
         return False
     return f"{index.info_of(scope).name}.{getattr(fn, 'name', '')}" in qs
@@ -1283,10 +1363,16 @@ def _docstring_ids(tree: ast.Module) -> set[int]:
 
 
 def check_modules(index: BundleIndex) -> list[Finding]:
-    """Run the sandbox over every module of ``index``; findings in file order."""
+    """Run the sandbox over every module of ``index``; findings in file order. A module whose
+    check raises (a recursion too deep for the gate) gets a ``prism:too-complex`` finding at
+    the node being checked, after what was found before."""
     out: list[Finding] = []
     for name in sorted(index.modules, key=lambda n: index.modules[n].rel):
-        out.extend(Checker(index, index.modules[name]).run())
+        checker = Checker(index, index.modules[name])
+        found, failed = guarded(checker.info.rel, lambda: checker.info.position(checker.current)[0], checker.run)
+        out.extend(checker.findings if found is None else found)
+        if failed is not None:  # what was found before the failure stands
+            out.append(failed)
     return out
 
 
