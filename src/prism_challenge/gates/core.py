@@ -1,8 +1,10 @@
 """``run_gates``: every static gate in order, before any training.
 
-1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``;
-2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every ``.py``;
-3. the AST sandbox (:mod:`prism_challenge.gates.sandbox`) and module shadowing;
+1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``, UTF-8
+   text files only, no module named like one importable from elsewhere;
+2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every own ``.py``
+   (:mod:`prism_challenge.gates.ownmodules`: no import from a folder without ``__init__.py``);
+3. the AST sandbox (:mod:`prism_challenge.gates.sandbox`);
 4. the multi-GPU contract and launch limits (:mod:`prism_challenge.gates.contract`);
 5. the parameter cap in a bounded child (:mod:`prism_challenge.gates.param_count`), only when
    nothing above makes the code unsafe to execute.
@@ -28,8 +30,9 @@ from prism_challenge.bundle import (
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.findings import Finding, GateReport
+from prism_challenge.gates.ownmodules import is_own_module, replace_generic
 from prism_challenge.gates.rules import CONTRACT_RULES
-from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source, shadowed_modules
+from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source
 
 DEFAULT_MAX_PARAMETERS = 150_000_000
 _FALLBACK_VOCAB = {"gpt2": 50257, "bytes": 257}
@@ -164,7 +167,7 @@ def _gate(
     modules: list[ModuleInfo] = []
     trees: dict[str, ast.Module] = {}
     for rel in sorted(hashes):
-        if not rel.endswith(".py"):
+        if not is_own_module(rel, hashes):  # a folder without __init__.py: never imported (see below)
             continue
         text, tree, problems = parse_source(rel, (root / rel).read_bytes())
         findings.extend(problems)
@@ -181,8 +184,8 @@ def _gate(
             )
 
     index = BundleIndex(modules)
-    findings.extend(check_modules(index))
-    findings.extend(shadowed_modules(index, root))
+    entry_files = [(ep.file, what) for ep, what in entries.values()]
+    findings = replace_generic([*findings, *check_modules(index)], index, hashes, entry_files)
 
     if bundle is not None and bundle.training.file in trees:
         findings.extend(
