@@ -15,6 +15,7 @@ file)``; :mod:`prism_challenge.bundle` raises it as a ``BundleError`` (an intake
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -183,19 +184,26 @@ def importable_elsewhere(names: Iterable[str], root: str | os.PathLike[str]) -> 
             out[name] = "the running program's main module '__main__'"
         else:
             rest.append(name)
-    if not rest:
-        return out
-    request = json.dumps({"root": os.fspath(root), "names": rest})
+    if rest:
+        env = tuple(os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE"))
+        out.update(_probe(tuple(rest), os.path.realpath(root), sys.executable, env))
+    return out
+
+
+@functools.lru_cache(maxsize=64)  # a run takes its bundle in twice (eval, then the gates)
+def _probe(names: tuple[str, ...], root: str, executable: str, env: tuple) -> dict[str, str]:
+    """The fresh interpreter's answer for ``names`` (``env``: the variables that shape its path,
+    part of the cache key only)."""
+    request = json.dumps({"root": root, "names": list(names)})
     try:
-        res = subprocess.run([sys.executable, "-P", "-c", _PROBE], input=request, capture_output=True,
+        res = subprocess.run([executable, "-P", "-c", _PROBE], input=request, capture_output=True,
                              text=True, timeout=PROBE_TIMEOUT_S, cwd="/", check=True)
         found = json.loads(res.stdout)
     except (subprocess.SubprocessError, ValueError) as exc:
         raise OSError(f"the module-name probe failed ({type(exc).__name__})") from None
     if not isinstance(found, dict):
         raise OSError("the module-name probe answered no mapping")
-    out.update({str(k): str(v) for k, v in found.items() if k in rest})
-    return out
+    return {str(k): str(v) for k, v in found.items() if k in names}
 
 
 def shadow_problem(rels: Iterable[str], root: str | os.PathLike[str]) -> Problem | None:
