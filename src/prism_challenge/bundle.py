@@ -339,6 +339,7 @@ def _check_members(zf: zipfile.ZipFile, limits: IntakeLimits) -> list[tuple[zipf
     for info in infos:
         name = info.filename
         norm = _member_path(name)
+        _refuse(name_problem(norm))
         mode = (info.external_attr >> 16) & 0xFFFF
         if stat.S_ISLNK(mode):
             raise BundleError(f"{name}: symlink member", "prism:symlink")
@@ -460,7 +461,7 @@ def _extract_member(
                 )
             out.write(chunk)
             data += chunk
-    _refuse(text_problem(info.filename, bytes(data)))  # the member named as the archive names it
+    _refuse(text_problem(info.filename, bytes(data)))  # the member as the archive names it (checked printable)
 
 
 def _bundle_root(out: Path) -> Path:

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Iterable
 from pathlib import PurePosixPath
 
@@ -109,15 +110,17 @@ def kind_problem(rel: str) -> Problem | None:
 
 def module_name_problem(rel: str) -> Problem | None:
     """``prism:module-name`` when the bundle-relative ``.py`` path ``rel`` is not an importable
-    module path (every folder and the file's stem a Python identifier), else ``None``."""
+    module path (every folder and the file's stem a Python identifier in NFKC form, the form
+    the parser gives an imported name, so the gate's module names are what imports look up),
+    else ``None``."""
     if not rel.endswith(".py"):
         return None
     parts = rel[: -len(".py")].split("/")
-    bad = [p for p in parts if not p.isidentifier()]
+    bad = [p for p in parts if not p.isidentifier() or unicodedata.normalize("NFKC", p) != p]
     if bad:
         return "prism:module-name", (
-            f"{rel}: not an importable module path ({bad[0]!r} is not a Python identifier): "
-            "rename it, e.g. with underscores"
+            f"{rel}: not an importable module path ({bad[0]!r} is not a Python identifier in NFKC "
+            "form): rename it, e.g. with underscores"
         )
     return None
 

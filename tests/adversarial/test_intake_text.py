@@ -139,12 +139,26 @@ def test_names_that_are_not_utf8_or_hold_control_characters_are_refused(tmp_path
     assert (err.rule, str(err)) == ("prism:bad-name", "'two\\nlines.md': the name holds a control or unprintable character")
 
 
-@pytest.mark.parametrize("rel,bad", [("my-helpers.py", "my-helpers"), ("utils.v2/layers.py", "utils.v2")])
+def test_a_zip_member_name_with_an_unprintable_character_is_refused(tmp_path):
+    z = tmp_path / "b.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("architecture.py", arch())
+        zf.writestr("\u202egnp.md", "x\n")  # a right-to-left override: reads as "md.png" in a terminal
+    with pytest.raises(BundleError) as err:
+        run_gates(z, check_params=False)
+    assert (err.value.rule, str(err.value)) == (
+        "prism:bad-name", "'\\u202egnp.md': the name holds a control or unprintable character",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("rel,bad", [("my-helpers.py", "my-helpers"), ("utils.v2/layers.py", "utils.v2"),
+                                     ("\ufb01le.py", "\ufb01le")])  # the ligature: `import \ufb01le` reads `file`
 def test_a_py_path_that_no_import_can_name_is_refused(tmp_path, rel, bad):
     err = refused(write_bundle(tmp_path, {rel: "X = 1\n"}))
     assert (err.rule, str(err)) == (
         "prism:module-name",
-        f"{rel}: not an importable module path ({bad!r} is not a Python identifier): rename it, e.g. with underscores",
+        f"{rel}: not an importable module path ({bad!r} is not a Python identifier in NFKC form): "
+        "rename it, e.g. with underscores",
     )
 
 
