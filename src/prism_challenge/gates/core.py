@@ -30,7 +30,7 @@ from prism_challenge.bundle import (
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.findings import Finding, GateReport
-from prism_challenge.gates.ownmodules import is_own_module, replace_generic
+from prism_challenge.gates.ownmodules import is_own_module, with_not_a_package
 from prism_challenge.gates.rules import CONTRACT_RULES
 from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source
 
@@ -185,7 +185,7 @@ def _gate(
 
     index = BundleIndex(modules)
     entry_files = [(ep.file, what) for ep, what in entries.values()]
-    findings = replace_generic([*findings, *check_modules(index)], index, hashes, entry_files)
+    findings = with_not_a_package([*findings, *check_modules(index)], index, hashes, entry_files)
 
     if bundle is not None and bundle.training.file in trees:
         findings.extend(

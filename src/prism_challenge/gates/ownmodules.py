@@ -69,23 +69,19 @@ def _loose_prefix(modname: str, files: Collection[str], dirs: Collection[str]) -
     return None
 
 
-def not_a_package(index: BundleIndex, files: Collection[str], entrypoints: Iterable[tuple[str, str]]) -> list[Finding]:
-    """``prism:not-a-package`` findings: each import in the bundle's own modules that reaches
-    into a bundle folder without ``__init__.py``, and each entrypoint file inside one.
+def with_not_a_package(findings: list[Finding], index: BundleIndex, files: Collection[str],
+                       entrypoints: Iterable[tuple[str, str]]) -> list[Finding]:
+    """``findings`` plus the ``prism:not-a-package`` findings: each import in the bundle's own
+    modules that reaches into a bundle folder without ``__init__.py``, and each entrypoint file
+    inside one. They replace the sandbox's generic ``prism:import-not-allowed`` at an import
+    statement whose every target is in such a folder (refused either way; this says why).
 
     Args:
+        findings: the findings so far (the sandbox's among them).
         index: the bundle's own modules.
         files: every bundle-relative file path.
         entrypoints: ``(file, what)`` pairs (``("net/arch.py", "architecture")``).
     """
-    return _scan(index, files, entrypoints)[0]
-
-
-def replace_generic(findings: list[Finding], index: BundleIndex, files: Collection[str],
-                    entrypoints: Iterable[tuple[str, str]]) -> list[Finding]:
-    """``findings`` plus the :func:`not_a_package` findings, which replace the sandbox's
-    generic ``prism:import-not-allowed`` at an import statement whose every target is in a
-    folder without ``__init__.py`` (the import is refused either way; this says why)."""
     found, loose_only = _scan(index, files, entrypoints)
     kept = [f for f in findings if not (f.rule == "prism:import-not-allowed" and (f.file, f.line, f.col) in loose_only)]
     return kept + found
