@@ -64,6 +64,7 @@ def main() -> None:
         arm(a.bundle, [tempfile.gettempdir()])
     data = np.load(a.batches)
     batches = [data[f"b{i}"] for i in range(len(data.files))]
+    sys.dont_write_bytecode = True  # no __pycache__ in the bundle: intake refuses one (prism:bytecode)
     sys.path.insert(0, a.bundle)
     arch = importlib.import_module("architecture")
     runtime = BareRuntime(batches, a.vocab_size, arch.build_model, a.seed)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import prism_challenge.gates.param_count as param_count
-from prism_challenge.gates import run_gates
+from prism_challenge.bundle import BundleError, load_bundle
+from prism_challenge.gates import parameter_gate, run_gates
 from prism_challenge.gates.param_count import count_unique_elements, uninitialized
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,8 +198,12 @@ def test_planted_bytecode_is_not_loaded(tmp_path):
         cfile=str(root / "__pycache__" / f"architecture.{tag}.pyc"),
         invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
     )
-    report = gate(root)
-    assert report.param_count == V * 8 + 2 * 8  # the source, not the planted .pyc (2 elements)
+    with pytest.raises(BundleError) as err:  # intake refuses a bundle that ships bytecode ...
+        gate(root)
+    assert err.value.rule == "prism:bytecode"
+    # ... and bytecode planted after intake is never loaded by the child: it reads the source
+    found, count = parameter_gate(load_bundle(root), vocab_size=V)
+    assert (found, count) == ([], V * 8 + 2 * 8)  # not the planted .pyc's 2 elements
 
 
 def test_child_is_not_started_when_the_sandbox_blocks(tmp_path, monkeypatch):

@@ -11,11 +11,14 @@ A bundle is a directory (or a ``.zip`` of one, see :func:`extract_zip`) holding 
 
 Declared names are honoured exactly. The two entrypoints must be distinct files.
 
-Intake rules (:func:`check_tree`, :func:`extract_zip`) refuse a bundle before anything reads
-its source: only text suffixes (:data:`ALLOWED_SUFFIXES`), no symlinks or special files, a cap
-on member count and on total source size, and for archives no absolute or parent-relative member
-names, nothing resolving outside the target, no duplicates and no zip bombs. A refusal is a
-:class:`BundleError` whose ``rule`` is a stable id such as ``prism:zip-symlink``.
+Intake rules (:func:`check_tree`, :func:`extract_zip`) refuse a bundle before the gates read
+its source: only UTF-8 text files of the bundle's kinds (``.py``, ``.md``, ``.txt``,
+``prism.yaml``; no NUL byte, no ``__pycache__``: see :mod:`prism_challenge.bundlefiles`), ``.py``
+paths made of identifiers, no top-level module or code folder named like a module importable
+from elsewhere, no symlinks or special files, a cap on member count and on total source size,
+and for archives no absolute or parent-relative member names, nothing resolving outside the
+target, no duplicates and no zip bombs. A refusal is a :class:`BundleError` whose ``rule`` is a
+stable id such as ``prism:zip-symlink``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,20 @@ import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import yaml
+
+from prism_challenge.bundlefiles import (  # ALLOWED_SUFFIXES: re-exported
+    ALLOWED_SUFFIXES,  # noqa: F401
+    BYTECODE_DIR,
+    Problem,
+    kind_problem,
+    module_name_problem,
+    name_problem,
+    shadow_problem,
+    text_problem,
+)
 
 SPEC_FILE = "prism.yaml"
 DEFAULT_ARCHITECTURE = ("architecture.py", "build_model")
@@ -37,11 +51,9 @@ DEFAULT_TRAINING = ("training.py", "train")
 DEFAULT_TOKENIZER = "gpt2"
 
 
-ALLOWED_SUFFIXES = frozenset({".py", ".yaml", ".yml", ".json", ".md", ".txt"})
-"""File suffixes a bundle may hold (lower case); anything else is ``prism:bad-suffix``."""
-
-SKIPPED_DIRS = frozenset({"__pycache__"})
-"""Directory names ignored in a *directory* bundle (build output; never in an archive)."""
+SKIPPED_DIRS = frozenset({BYTECODE_DIR})
+"""Directory names :func:`hash_tree` and the copy helpers skip; :func:`check_tree` refuses them
+(``prism:bytecode``), so a bundle that passed intake has none."""
 
 
 class BundleError(ValueError):
@@ -224,59 +236,70 @@ def hash_tree(root: Path) -> dict[str, str]:
 def check_tree(root: Path, limits: IntakeLimits = IntakeLimits()) -> int:
     """Apply the intake rules to a bundle directory; return the total size of its files (bytes).
 
-    ``__pycache__`` folders are skipped (see :data:`SKIPPED_DIRS`); whoever imports the bundle
-    must not read bytecode from them (the parameter-count child points ``sys.pycache_prefix``
-    elsewhere for that reason).
+    Every file is read (never through a symlink) and must be UTF-8 text of an allowed kind (see
+    :mod:`prism_challenge.bundlefiles`). A ``__pycache__`` folder is refused with a hint to
+    delete it (``prism:bytecode``): nothing the gates did not read lies beside the bundle's
+    code. Last, the top-level module and code-folder names are checked against the modules the
+    interpreter finds elsewhere (one short probe interpreter).
 
     Raises:
-        BundleError: the first broken rule, naming the bundle-relative path: ``prism:symlink``,
-            ``prism:special-file``, ``prism:bad-suffix``, ``prism:too-many-files`` or
-            ``prism:source-too-large``.
+        BundleError: the first broken rule, naming the bundle-relative path: ``prism:bad-name``,
+            ``prism:symlink``, ``prism:special-file``, ``prism:bytecode``, ``prism:bad-suffix``,
+            ``prism:module-name``, ``prism:too-many-files``, ``prism:source-too-large``,
+            ``prism:bundle-unreadable`` (a file cannot be read), ``prism:binary-file`` (a NUL
+            byte), ``prism:not-utf8`` (line and byte offset named) or ``prism:shadow-module``.
     """
     total = 0
     count = 0
+    files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        kept = []
         for d in sorted(dirnames):
             rel = (here / d).relative_to(root).as_posix()
+            _refuse(name_problem(rel))
             if (here / d).is_symlink():
                 raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
-            if d not in SKIPPED_DIRS:
-                kept.append(d)
-        dirnames[:] = kept
+            if d == BYTECODE_DIR:
+                _refuse(kind_problem(f"{rel}/"))
+        dirnames.sort()
         for name in sorted(filenames):
             p = here / name
             rel = p.relative_to(root).as_posix()
+            _refuse(name_problem(rel))
             st = p.lstat()
             if stat.S_ISLNK(st.st_mode):
                 raise BundleError(f"{rel}: symlinks are not allowed in a bundle", "prism:symlink")
             if not stat.S_ISREG(st.st_mode):
                 raise BundleError(f"{rel}: not a regular file", "prism:special-file")
-            _check_suffix(rel)
+            _check_kind(rel)
+            _refuse(module_name_problem(rel))
             count += 1
             if count > limits.max_files:
                 raise BundleError(
                     f"{rel}: more than {limits.max_files} files in the bundle",
                     "prism:too-many-files",
                 )
-            total += st.st_size
+            data = _read_regular(p, rel, limits.max_source_bytes - total + 1)
+            total += len(data)
             if total > limits.max_source_bytes:
                 raise BundleError(
                     f"{rel}: bundle files exceed {limits.max_source_bytes} bytes in total",
                     "prism:source-too-large",
                 )
+            _refuse(text_problem(rel, data))
+            files.append(rel)
+    _refuse(shadow_problem(files, root))
     return total
 
 
-def _check_suffix(rel: str) -> None:
-    suffix = PurePosixPath(rel).suffix.lower()
-    if suffix not in ALLOWED_SUFFIXES:
-        raise BundleError(
-            f"{rel}: suffix {suffix or '(none)'!r} is not allowed "
-            f"(allowed: {', '.join(sorted(ALLOWED_SUFFIXES))})",
-            "prism:bad-suffix",
-        )
+def _refuse(problem: Problem | None) -> None:
+    """Raise ``problem`` (rule, message) as a :class:`BundleError`; nothing when ``None``."""
+    if problem is not None:
+        raise BundleError(problem[1], problem[0])
+
+
+def _check_kind(rel: str) -> None:
+    _refuse(kind_problem(rel))
 
 
 def _member_path(name: str) -> str:
@@ -316,6 +339,7 @@ def _check_members(zf: zipfile.ZipFile, limits: IntakeLimits) -> list[tuple[zipf
     for info in infos:
         name = info.filename
         norm = _member_path(name)
+        _refuse(name_problem(norm))
         mode = (info.external_attr >> 16) & 0xFFFF
         if stat.S_ISLNK(mode):
             raise BundleError(f"{name}: symlink member", "prism:symlink")
@@ -327,8 +351,10 @@ def _check_members(zf: zipfile.ZipFile, limits: IntakeLimits) -> list[tuple[zipf
         if info.flag_bits & 0x1:
             raise BundleError(f"{name}: encrypted member", "prism:bad-zip")
         if info.is_dir():
+            if BYTECODE_DIR in norm.split("/"):
+                _check_kind(norm + "/")
             continue
-        _check_suffix(norm)
+        _check_kind(norm)
         if info.file_size > limits.ratio_floor_bytes:
             ratio = info.file_size / max(info.compress_size, 1)
             if ratio > limits.max_ratio:
@@ -371,9 +397,11 @@ def extract_zip(
         BundleError: ``prism:bundle-unreadable`` (cannot open), ``prism:bad-zip`` (not a zip,
             corrupt or encrypted), ``prism:too-many-files``, ``prism:zip-absolute-path``,
             ``prism:zip-parent-path``, ``prism:zip-escape``, ``prism:symlink``,
-            ``prism:special-file``, ``prism:zip-duplicate``, ``prism:bad-suffix``,
-            ``prism:zip-ratio``, ``prism:zip-too-large`` or ``prism:source-too-large``; the
-            message names the member. A directory this call created is removed first.
+            ``prism:special-file``, ``prism:zip-duplicate``, ``prism:bytecode``,
+            ``prism:bad-suffix``, ``prism:zip-ratio``, ``prism:zip-too-large``,
+            ``prism:source-too-large``, ``prism:binary-file`` or ``prism:not-utf8``; the message
+            names the member. Then every rule of :func:`check_tree` on the extracted root
+            (paths relative to it). A directory this call created is removed first.
     """
     src = Path(path)
     try:
@@ -423,6 +451,7 @@ def _extract_member(
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(target, flags, 0o644)
     written = 0
+    data = bytearray()
     with os.fdopen(fd, "wb") as out, zf.open(info) as member:
         while chunk := member.read(64 * 1024):
             written += len(chunk)
@@ -431,6 +460,8 @@ def _extract_member(
                     f"{info.filename}: inflates past its declared size", "prism:zip-too-large"
                 )
             out.write(chunk)
+            data += chunk
+    _refuse(text_problem(info.filename, bytes(data)))  # the member as the archive names it (checked printable)
 
 
 def _bundle_root(out: Path) -> Path:
@@ -565,7 +596,7 @@ def _read_regular(path: Path | str, rel: str, most: int, dir_fd: int | None = No
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise BundleError(f"{rel}: not a regular file", "prism:special-file")
-        _check_suffix(rel)
+        _check_kind(rel)
         return f.read(max(most, 0))
 
 

@@ -274,14 +274,14 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     try:
         frozen = freeze(opts.bundle)
     except BundleError as exc:
-        raise EvalFailure("intake", str(exc)) from None
+        raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
     try:
         try:
             bundle = load_bundle(frozen.root)
         except BundleError as exc:
             if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
                 _static_gates(opts, frozen.root)
-            raise EvalFailure("intake", str(exc)) from None
+            raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
         return _run_bundle(opts, bundle, frozen, device, t_start, on_start, on_record)
     finally:
         frozen.remove()
@@ -320,7 +320,7 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
         report = run_gates(root, max_parameters=opts.max_parameters, nproc=opts.nproc, nnodes=opts.nnodes,
                            seq_len=opts.seq_len, check_params=False)
     except BundleError as exc:
-        raise EvalFailure("intake", str(exc)) from None
+        raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
     report.cleanup()  # a directory bundle: nothing was extracted
     if report.blocking:
         raise _refuse(list(report.findings))

@@ -252,10 +252,8 @@ CASES: list[Case] = [
     A("numpy", "prism:import-not-allowed", "numpy", top="import numpy"),
     A("star", "prism:import-not-allowed", "import *", top="from torch.nn.functional import *"),
     A("harness-module", "prism:import-not-allowed", "seeding", top="from prism_challenge.evaluator.seeding import force_seeds"),
-    Case("shadow-math", {"math.py": "PI = 3\n"}, "prism:shadow-module", "math.py", None),
     # --- bundle shape --------------------------------------------------------------------
     Case("syntax", {"architecture.py": "def build_model(ctx):\n    return (\n"}, "prism:syntax", "architecture.py", None),
-    Case("latin1-bytes", {"architecture.py": "x = '\u00e9'\n".encode("latin-1") + arch().encode()}, "prism:encoding", "architecture.py", None),
     Case("coding-cookie", {"architecture.py": "# -*- coding: latin-1 -*-\n" + arch()}, "prism:encoding", "architecture.py", None),
     Case("missing-symbol", {"architecture.py": arch().replace("def build_model", "def make_model")}, "prism:missing-symbol", "architecture.py", None),
     Case(

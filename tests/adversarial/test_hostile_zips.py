@@ -7,6 +7,7 @@ is read; nothing may be left on disk afterwards.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 import warnings
@@ -57,7 +58,12 @@ ZIP_CASES = [
     ("size-bomb", [("notes.txt", b"\0" * (5 << 20))], "prism:zip-too-large", None),
     ("too-many", [(f"m{i}.txt", "x") for i in range(300)], "prism:too-many-files", None),
     ("weights", [("weights.bin", b"\x01\x02")], "prism:bad-suffix", "weights.bin"),
-    ("pyc", [("__pycache__/architecture.cpython-311.pyc", b"\x00")], "prism:bad-suffix", "architecture.cpython-311.pyc"),
+    ("pyc", [("__pycache__/architecture.cpython-311.pyc", b"\x00")], "prism:bytecode", "__pycache__/architecture.cpython-311.pyc"),
+    ("pycache-dir", [("__pycache__/", b"")], "prism:bytecode", "__pycache__/"),
+    ("sourceless-pyc", [("helpers.pyc", b"\x00")], "prism:bytecode", "helpers.pyc"),
+    ("elf-as-txt", [("lib.txt", b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 56)], "prism:binary-file", "lib.txt"),
+    ("latin1-py", [("helpers.py", "NAME = 'caf\u00e9'\n".encode("latin-1"))], "prism:not-utf8", "helpers.py line 1"),
+    ("json", [("config.json", "{}")], "prism:bad-suffix", "config.json"),
     ("no-suffix", [("Makefile", "all:\n")], "prism:bad-suffix", "Makefile"),
     ("nested-zip", [("inner.zip", b"PK\x05\x06" + b"\0" * 18)], "prism:bad-suffix", "inner.zip"),
 ]
@@ -167,13 +173,20 @@ def test_directory_bad_suffix_and_size(tmp_path):
     assert err.value.rule == "prism:source-too-large"
 
 
-def test_directory_pycache_is_skipped_not_scanned(tmp_path):
+def test_directory_pycache_is_refused_with_a_hint(tmp_path):
     root = _dir_bundle(tmp_path)
     (root / "__pycache__").mkdir()
     (root / "__pycache__" / "architecture.cpython-311.pyc").write_bytes(b"\0\1\2")
-    report = run_gates(root, check_params=False)
-    assert report.findings == []
-    assert "__pycache__/architecture.cpython-311.pyc" not in report.bundle.file_hashes
+    with pytest.raises(BundleError) as err:
+        run_gates(root, check_params=False)
+    assert err.value.rule == "prism:bytecode"
+    assert str(err.value) == (
+        "__pycache__/: bytecode is not accepted, a bundle is source only: delete the __pycache__ folders "
+        "(find BUNDLE -name __pycache__ -prune -exec rm -r {} +; PYTHONDONTWRITEBYTECODE=1 stops "
+        "Python writing them)"
+    )
+    shutil.rmtree(root / "__pycache__")
+    assert run_gates(root, check_params=False).findings == []
 
 
 # --- clean archives ------------------------------------------------------------------------

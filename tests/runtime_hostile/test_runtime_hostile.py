@@ -366,20 +366,40 @@ def plant_bytecode(bundle: Path, module: str, source: str) -> None:
 
 
 @needs_sandbox
-def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path):
-    bundle = write(tmp_path / "b", hb.UNIFORM, PLAIN_LOOP)
-    plant_bytecode(bundle, "training", "def train(ctx):\n    raise RuntimeError('planted training bytecode ran')\n")
-    plant_bytecode(bundle, "architecture", "def build_model(ctx):\n    raise RuntimeError('planted architecture ran')\n")
-    # the planted files are real: a plain import of the bundle runs them
+def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeypatch):
     import subprocess
     import sys
 
+    import prism_challenge.evaluate as ev
+    import prism_challenge.gates.core as gates_core
+
+    bundle = write(tmp_path / "b", hb.UNIFORM, PLAIN_LOOP)
+    plant = [("training", "def train(ctx):\n    raise RuntimeError('planted training bytecode ran')\n"),
+             ("architecture", "def build_model(ctx):\n    raise RuntimeError('planted architecture ran')\n")]
+    for module, source in plant:
+        plant_bytecode(bundle, module, source)
+    # the planted files are real: a plain import of the bundle runs them
     seen = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); import training; training.train(0)"],
                           cwd=bundle, capture_output=True, text=True)
     assert "planted training bytecode ran" in seen.stderr
+    with pytest.raises(ev.EvalFailure) as refused:  # intake refuses a bundle that ships bytecode
+        run(tmp_path, bundle, name="refused", run_gates=True)
+    assert refused.value.stage == "intake" and refused.value.message.startswith("prism:bytecode: __pycache__/")
+    # planted again once the last intake check has passed (the owner of a directory bundle can)
+    shutil.rmtree(bundle / "__pycache__")
+    real_open = gates_core.open_bundle
+
+    def open_then_plant(*a, **k):
+        opened = real_open(*a, **k)
+        for module, source in plant:
+            plant_bytecode(bundle, module, source)
+        return opened
+
+    monkeypatch.setattr(gates_core, "open_bundle", open_then_plant)
     # the gates (parameter child), every rank and the held-out child read the source instead
     o = run(tmp_path, bundle, run_gates=True, heldout_bytes=30000)
     assert o.failure is None, o.failure
+    assert len(list((bundle / "__pycache__").glob("*.pyc"))) == 2  # it was there all along
     s = o.manifest["score"]
     assert s["prequential_bpb"] == pytest.approx(uniform_bpb(s), rel=1e-6)
     assert o.manifest["verdict"]["heldout"] is not None, o.manifest["verdict"]["heldout_error"]

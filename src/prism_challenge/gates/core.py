@@ -1,8 +1,10 @@
 """``run_gates``: every static gate in order, before any training.
 
-1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``;
-2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every ``.py``;
-3. the AST sandbox (:mod:`prism_challenge.gates.sandbox`) and module shadowing;
+1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``, UTF-8
+   text files only, no module named like one importable from elsewhere;
+2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every own ``.py``
+   (:mod:`prism_challenge.gates.ownmodules`: no import from a folder without ``__init__.py``);
+3. the AST sandbox (:mod:`prism_challenge.gates.sandbox`);
 4. the multi-GPU contract and launch limits (:mod:`prism_challenge.gates.contract`);
 5. the parameter cap in a bounded child (:mod:`prism_challenge.gates.param_count`), only when
    nothing above makes the code unsafe to execute.
@@ -32,8 +34,9 @@ from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module
 from prism_challenge.gates.complexity import deepest, guarded
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.findings import Finding, GateReport
+from prism_challenge.gates.ownmodules import is_own_module, with_not_a_package
 from prism_challenge.gates.rules import CONTRACT_RULES
-from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source, shadowed_modules
+from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source
 
 DEFAULT_MAX_PARAMETERS = 150_000_000
 _FALLBACK_VOCAB = {"gpt2": 50257, "bytes": 257}
@@ -177,7 +180,7 @@ def _gate(
     modules: list[ModuleInfo] = []
     trees: dict[str, ast.Module] = {}
     for rel in sorted(hashes):
-        if not rel.endswith(".py"):
+        if not is_own_module(rel, hashes):  # a folder without __init__.py: never imported (see below)
             continue
         data = (root / rel).read_bytes()
         parsed, failed = guarded(rel, lambda: 0, lambda: parse_source(rel, data))
@@ -201,7 +204,8 @@ def _gate(
                 Finding("prism:missing-symbol", rel, 0, 0, f"{rel} does not define the {what} entrypoint {ep.symbol!r}")
             )
 
-    findings.extend(_checked(modules, root, bundle, trees, nproc))
+    entry_files = [(ep.file, what) for ep, what in entries.values()]
+    findings.extend(_checked(modules, bundle, trees, nproc, hashes, entry_files))
 
     if bundle is not None and vocab_size is None:
         vocab_size = tokenizer_vocab_size(bundle.tokenizer)
@@ -224,9 +228,12 @@ def _gate(
 
 
 def _checked(
-    modules: list[ModuleInfo], root: Path, bundle: Bundle | None, trees: dict[str, ast.Module], nproc: int
+    modules: list[ModuleInfo], bundle: Bundle | None, trees: dict[str, ast.Module], nproc: int,
+    files: dict[str, str], entry_files: list[tuple[str, str]],
 ) -> list[Finding]:
-    """The AST sandbox, module shadowing and the multi-GPU contract over the parsed modules.
+    """The AST sandbox (with the bundle's folders that are not packages,
+    :func:`~prism_challenge.gates.ownmodules.with_not_a_package`) and the multi-GPU contract over
+    the parsed modules.
 
     Never raises: a step that fails (a recursion too deep for the gate, memory) becomes a
     ``prism:too-complex`` finding in the file it was checking (see
@@ -236,7 +243,7 @@ def _checked(
     if index is None:
         return [failed] if failed is not None else []
     out: list[Finding] = []
-    for step in (lambda: check_modules(index), lambda: shadowed_modules(index, root)):
+    for step in (lambda: with_not_a_package(check_modules(index), index, files, entry_files),):
         found, failed = guarded(first, lambda: 0, step)
         out.extend(found or [])
         if failed is not None:

@@ -19,7 +19,13 @@ INTAKE_RULES: dict[str, str] = {
     "prism:zip-too-large": "zip members expand past the archive limit (zip bomb)",
     "prism:symlink": "a symlink in the bundle or a symlink zip member",
     "prism:special-file": "a bundle entry that is not a regular file or directory",
-    "prism:bad-suffix": "a file whose suffix is not .py/.yaml/.yml/.json/.md/.txt",
+    "prism:bad-suffix": "a file of another kind than .py, .md, .txt or prism.yaml",
+    "prism:bytecode": "a __pycache__ folder or a .pyc/.pyo file (a bundle is source only)",
+    "prism:binary-file": "a file holds a NUL byte (a bundle holds text files only)",
+    "prism:not-utf8": "a file is not valid UTF-8 (the line and byte offset are named)",
+    "prism:bad-name": "a file or folder name is not valid UTF-8 or holds a control character",
+    "prism:module-name": "a .py path that is not made of Python identifiers",
+    "prism:shadow-module": "a top-level module or code folder named like a module importable from elsewhere",
     "prism:source-too-large": "bundle files exceed the total source cap (default 512 KiB)",
 }
 
@@ -32,7 +38,7 @@ FINDING_RULES: dict[str, str] = {
     "prism:syntax": "a source file does not parse",
     # AST sandbox
     "prism:import-not-allowed": "an import outside the allowlist (or a star import)",
-    "prism:shadow-module": "a bundle module shadows a standard or installed module",
+    "prism:not-a-package": "an import from (or an entrypoint in) a bundle folder without __init__.py",
     "prism:no-network": "network access (socket, http, urllib, torch.hub, rpc, ...)",
     "prism:no-process": "process control (os, subprocess, multiprocessing, signal, exit, ...)",
     "prism:no-filesystem": "filesystem access (open, pathlib, shutil, from_file, tofile, ...)",
