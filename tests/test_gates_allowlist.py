@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from prism_challenge.bundle import BundleError
+
 from prism_challenge.cli import main
 from prism_challenge.gates import RULES, run_gates
 from prism_challenge.gates.allowlist import (
@@ -46,7 +48,10 @@ def test_red_team_library_loaded_by_path_is_refused(tmp_path):
     # loads a library (XPUPluggableAllocator is on no deny-list: the allow-list refuses it)
     body = 'a = torch.xpu.memory.XPUPluggableAllocator(ctx.artifacts_dir + "/w.txt", "alloc", "free")'
     src = arch(body=body)
-    root = write_bundle(tmp_path, {"architecture.py": src, "weights.txt": ELF})
+    with pytest.raises(BundleError, match="weights.txt line 1: NUL byte") as refused:  # intake stops the ELF itself
+        run_gates(write_bundle(tmp_path / "elf", {"architecture.py": src, "weights.txt": ELF}), check_params=False)
+    assert refused.value.rule == "prism:binary-file"
+    root = write_bundle(tmp_path / "text", {"architecture.py": src, "weights.txt": "a text file no loader may reach"})
     report = run_gates(root, check_params=False)
     (f,) = [f for f in report.findings if f.blocking]
     line = line_of(src, "XPUPluggableAllocator")
@@ -137,7 +142,7 @@ def test_names_off_the_list_that_are_denied_stay_refused_when_the_bundle_defines
 
 def test_a_deny_rule_keeps_its_own_id_on_its_line(tmp_path):
     src = arch(body='torch.ops.load_library(ctx.artifacts_dir + "/w.txt")')
-    report = run_gates(write_bundle(tmp_path, {"architecture.py": src, "w.txt": ELF}), check_params=False)
+    report = run_gates(write_bundle(tmp_path, {"architecture.py": src, "w.txt": "text"}), check_params=False)
     assert [(f.rule, f.line) for f in report.findings] == [("prism:no-ffi", line_of(src, "load_library"))]
 
 
