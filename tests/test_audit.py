@@ -118,3 +118,20 @@ def test_a_stdlib_import_on_the_bundles_behalf_is_the_stdlibs(bundle: Path, tmp_
     res = _run(bundle, tmp_path / "art", "attacks", "stdlib_lazy_import", str(bundle), "-")
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["result"] == "xn--bcher-kva.example"
+
+
+def test_nothing_written_is_imported_as_code(bundle: Path, tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    found = _refused(_run(bundle, art, "attacks", "plant_module", str(bundle), str(art)))
+    assert (found["event"], found["rule"]) == ("open", "prism:audit-no-code-outside-install")
+    assert found["arg"].startswith(repr(str(art))[:-1])  # its bytecode cache or its source: never read
+
+
+def test_the_working_directory_leaves_the_import_path(bundle: Path, tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    art.mkdir()
+    argv = [str(HERE / "audit_driver.py"), str(bundle), str(art), "attacks", "import_path_after_arm", str(bundle), str(art)]
+    code = f"import runpy, sys; sys.path.insert(0, ''); sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=art)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["result"] == []

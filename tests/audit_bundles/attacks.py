@@ -83,3 +83,18 @@ def reopen_fd(bundle_dir, target):
 def stdlib_lazy_import(bundle_dir, target):
     """An honest call whose stdlib code imports a module lazily (idna for a host name)."""
     return "b\u00fccher.example".encode("idna").decode()
+
+
+def plant_module(bundle_dir, target):
+    """Write a module where the import path might look, then have stdlib code import it."""
+    import importlib
+
+    with open(os.path.join(target, "colorsys.py"), "w") as f:
+        f.write("PLANTED = True\n")
+    sys.path.insert(0, target)
+    importlib.import_module("colorsys")  # imported on the bundle's behalf by the stdlib
+    print("survived")
+
+
+def import_path_after_arm(bundle_dir, target):
+    return [p for p in sys.path if p in ("", target) or p.startswith(target + os.sep)]

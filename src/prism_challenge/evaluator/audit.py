@@ -68,6 +68,9 @@ COMPILE_ENTRIES = ("torch/_dynamo/convert_frame.py", "torch/_functorch/_aot_auto
 (the first call of a ``torch.compile``d module or function) and AOTAutograd's backward, which
 compiles the backward graph lazily on the first ``loss.backward()``."""
 
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
+"""Files read as code: never from a writable directory (outside a compilation the hook admits)."""
+
 READABLE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")
 """Device files any process may open (they hold no host data)."""
 
@@ -98,14 +101,15 @@ SET_ATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def install_roots() -> list[str]:
+def install_roots(writable: Iterable[str] = ()) -> list[str]:
     """The directories of this interpreter's install: its prefixes, the stdlib and site
-    directories, every directory on ``sys.path`` and this package's source directory
-    (absolute, symlinks resolved)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             *sysconfig.get_paths().values(), str(Path(__file__).resolve().parents[2])}
-    paths.update(p for p in sys.path if p and os.path.isabs(p))
-    return sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
+    directories, this package's source directory, and every other directory on ``sys.path``
+    that is not inside one of ``writable`` (absolute, symlinks resolved)."""
+    base = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+            *sysconfig.get_paths().values(), str(Path(__file__).resolve().parents[2])}
+    write = _prefixes(writable)
+    rest = {p for p in sys.path if p and os.path.isabs(p) and not _under(os.path.realpath(p), write)}
+    return sorted({os.path.realpath(p) for p in base | rest if os.path.isdir(p)})
 
 
 def _stdlib_roots() -> tuple[str, ...]:
@@ -202,8 +206,13 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
 
     bundle = _prefixes([bundle_dir])
     harness = _prefixes([str(Path(__file__).resolve().parents[1])])
-    install = tuple(r for r in _prefixes(install_roots()) if not _under(r.rstrip(os.sep), bundle))
-    write = _prefixes([*writable, tempfile.gettempdir(), "/dev/shm", *READABLE_DEVICES])
+    writable = [*writable, tempfile.gettempdir(), "/dev/shm"]
+    install = tuple(r for r in _prefixes(install_roots(writable)) if not _under(r.rstrip(os.sep), bundle))
+    # code is imported from the install and the bundle only: the working directory (``-m``
+    # puts it first) and anything writable leave the import path, so nothing written can shadow
+    # a module torch imports later
+    sys.path[:] = [p for p in sys.path if p and (_under(os.path.realpath(p), install) or _under(os.path.realpath(p), bundle))]
+    write = _prefixes([*writable, *READABLE_DEVICES])
     readable = install + bundle + write + _prefixes([f"/proc/{os.getpid()}", "/proc/self",
                                                      "/sys/devices/system/cpu"])
     policy = _Policy(bundle, harness, install, write, readable, _stdlib_roots(), own_modules(bundle_dir),
@@ -297,8 +306,11 @@ class _Policy:
         real = os.path.realpath(path)
         if _under(real, self.hidden):
             return "no-hidden-path"
-        if writing:  # the frozen bundle is never writable, wherever it lies
-            return None if _under(real, self.write) and not _under(real, self.bundle) else "no-write-outside-artifacts"
+        if writing:  # the frozen bundle and the install are never writable, wherever they lie
+            ok = _under(real, self.write) and not _under(real, self.bundle) and not _under(real, self.install)
+            return None if ok else "no-write-outside-artifacts"
+        if real.endswith(CODE_SUFFIXES) and _under(real, self.write) and not _under(real, self.install):
+            return "no-code-outside-install"  # what was written is data, never code to import
         return None if _under(real, self.readable) else "no-read-outside-install"
 
     def installed(self, path: Any) -> bool:

@@ -59,13 +59,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib.machinery
 import re
 import sys
 import tokenize
 from functools import lru_cache
 from io import BytesIO
-from pathlib import Path
 from types import ModuleType
 
 from prism_challenge.gates.astindex import (
@@ -532,43 +530,6 @@ def origin_rule(qualname: str) -> tuple[str, str] | None:
         if rule:
             return rule, f"'{qualname}' is defined in the blocked module '{'.'.join(parts[:i])}'"
     return None
-
-
-def shadowed_modules(index: BundleIndex, root: Path) -> list[Finding]:
-    """``prism:shadow-module`` for each bundle top-level module named like a standard or
-    installed module (it would replace that module for the harness code in the same process)."""
-    root = root.resolve()
-    search = []
-    for entry in sys.path:
-        if not entry:
-            continue
-        try:
-            p = Path(entry).resolve()
-        except OSError:
-            continue
-        if p == root or p.is_relative_to(root) or p == Path.cwd().resolve():
-            continue
-        search.append(str(p))
-    out: list[Finding] = []
-    firsts: dict[str, str] = {}
-    for name, info in sorted(index.modules.items()):
-        top = name.split(".")[0]
-        firsts.setdefault(top, info.rel)
-    for top, rel in sorted(firsts.items()):
-        hit = top in sys.stdlib_module_names or top in sys.builtin_module_names
-        hit = hit or top in ("prism_challenge", "torch", "numpy")
-        if not hit:
-            spec = importlib.machinery.PathFinder.find_spec(top, search)
-            hit = spec is not None and spec.origin is not None and spec.loader is not None
-        if hit:
-            out.append(
-                Finding("prism:shadow-module", rel, 0, 0, f"bundle module '{top}' shadows the installed module '{top}'")
-            )
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# the checker
 
 
 class Checker(AllowlistChecks):
@@ -1393,5 +1354,4 @@ __all__ = [
     "defines_symbol",
     "module_rule",
     "parse_source",
-    "shadowed_modules",
 ]
