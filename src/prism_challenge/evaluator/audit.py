@@ -309,7 +309,7 @@ class _Policy:
         if writing:  # the frozen bundle and the install are never writable, wherever they lie
             ok = _under(real, self.write) and not _under(real, self.bundle) and not _under(real, self.install)
             return None if ok else "no-write-outside-artifacts"
-        if real.endswith(CODE_SUFFIXES) and _under(real, self.write) and not _under(real, self.install):
+        if real.endswith(CODE_SUFFIXES) and _under(real, self.write) and not _under(real, self.install + self.bundle):
             return "no-code-outside-install"  # what was written is data, never code to import
         return None if _under(real, self.readable) else "no-read-outside-install"
 
