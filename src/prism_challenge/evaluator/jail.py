@@ -267,6 +267,12 @@ class Jail:
         ``env``: extra variables over :func:`child_env`. In the sandbox the rlimits are applied
         after the uid drop; without it in ``preexec_fn`` (with ``PR_SET_PDEATHSIG``).
         """
+        return self._start(argv, writable=writable, socket_dir=socket_dir, env=env, cwd=cwd, stdin=stdin,
+                           stdout=stdout, stderr=stderr)[0]
+
+    def _start(self, argv: Sequence[str], *, writable, socket_dir, env, cwd, stdin, stdout, stderr
+               ) -> tuple[subprocess.Popen, MemoryCgroup | None]:
+        """Start ``argv`` (see :meth:`popen`); the process and its memory cgroup, if any."""
         limits, group = self._memory()
         apply = None if self.isolated else limits_preexec(**vars(limits))
 
@@ -276,10 +282,11 @@ class Jail:
             if apply is not None:
                 apply()
 
-        return subprocess.Popen(self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits),
-                                env=child_env(self.threads, {**(env or {}), **({} if self.audit else {ENV_OFF: "off"})}),
-                                cwd=cwd, stdin=stdin, stdout=stdout,
+        extra = {**(env or {}), **({} if self.audit else {ENV_OFF: "off"})}
+        proc = subprocess.Popen(self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits),
+                                env=child_env(self.threads, extra), cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, start_new_session=True, preexec_fn=preexec)
+        return proc, group
 
     def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
             writable: Sequence[str | os.PathLike[str]] = (), env: dict[str, str] | None = None,
@@ -291,9 +298,8 @@ class Jail:
             IsolationError: the sandbox cannot be set up.
             OSError: the child cannot be started.
         """
-        proc = self.popen(argv, writable=writable, env=env, cwd=cwd, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        group = self.cgroups[-1] if self.cgroups else None
+        proc, group = self._start(argv, writable=writable, socket_dir=None, env=env, cwd=cwd, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         timed_out = False
         try:
             out, err = proc.communicate(input, timeout=max(0.0, timeout_s))
@@ -306,16 +312,15 @@ class Jail:
             proc.communicate()
             raise
         finally:
+            oom = group is not None and group.oom_killed()
             if group is not None:
-                oom = group.oom_killed()
                 group.remove()
                 self.cgroups.remove(group)
         if timed_out:
             return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
         if proc.returncode == 0:
             return Finished(0, out, err, False, None, None)
-        failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits,
-                                    oom=group is not None and oom)
+        failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
         return Finished(proc.returncode, out, err, False, failure, refusal)
 
     def close(self) -> None:
