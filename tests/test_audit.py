@@ -57,11 +57,12 @@ def _refused(res: subprocess.CompletedProcess) -> dict:
         ("frames", "sys._getframe", "prism:audit-no-introspection"),
         ("swallowed", "os.system", "prism:audit-no-process"),
         ("reopen_fd", "open", "prism:audit-no-fd-open"),
+        ("relative_to_dir_fd", "open", "prism:audit-no-relative-path"),
         ("rewrite_gated_file", "open", "prism:audit-no-write-outside-artifacts"),
     ],
 )
 def test_each_escape_is_refused_with_its_event(bundle: Path, tmp_path: Path, attack: str, event: str, rule: str) -> None:
-    found = _refused(_run(bundle, tmp_path / "art", "attacks", attack, str(bundle), "-"))
+    found = _refused(_run(bundle, tmp_path / "art", "attacks", attack, str(bundle), str(tmp_path / "art")))
     assert (found["event"], found["rule"]) == (event, rule)
     assert found["origin"].startswith(str(bundle / "attacks.py") + ":")
     assert describe_refusal(found).startswith(f"the runtime audit hook refused {event}(")
@@ -133,5 +134,13 @@ def test_the_working_directory_leaves_the_import_path(bundle: Path, tmp_path: Pa
     argv = [str(HERE / "audit_driver.py"), str(bundle), str(art), "attacks", "import_path_after_arm", str(bundle), str(art)]
     code = f"import runpy, sys; sys.path.insert(0, ''); sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=art)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["result"] == []
+
+
+def test_no_method_of_an_event_argument_runs_inside_the_hook(bundle: Path, tmp_path: Path) -> None:
+    """A str subclass's ``__getitem__`` ran inside the hook's realpath, with the reentrancy guard
+    up, so everything it did went unaudited (red team); the hook copies arguments to plain str."""
+    res = _run(bundle, tmp_path / "art", "attacks", "str_subclass_path", str(bundle), str(tmp_path / "art"))
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["result"] == []

@@ -98,3 +98,30 @@ def plant_module(bundle_dir, target):
 
 def import_path_after_arm(bundle_dir, target):
     return [p for p in sys.path if p in ("", target) or p.startswith(target + os.sep)]
+
+
+CALLS = []
+
+
+class SneakyPath(str):
+    """A path whose methods would run inside the hook, with its guard up, if the hook called them."""
+
+    def __getitem__(self, k):
+        CALLS.append(k)
+        return str.__getitem__(self, k)
+
+    def __fspath__(self):
+        CALLS.append("fspath")
+        return str(self)
+
+
+def str_subclass_path(bundle_dir, target):
+    with open(SneakyPath(os.path.join(target, "trigger.txt")), "w") as f:
+        f.write("x")
+    return CALLS
+
+
+def relative_to_dir_fd(bundle_dir, target):
+    fd = os.open(target, os.O_RDONLY)
+    os.open("../data.salt", os.O_RDONLY, dir_fd=fd)
+    print("survived")

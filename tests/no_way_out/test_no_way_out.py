@@ -156,7 +156,8 @@ def _eval(tmp_path, root, **kw):
     kw.setdefault("seq_len", 32)
     kw.setdefault("threads", 1)
     kw.setdefault("heldout_bytes", 20_000)
-    return evaluate(EvalOptions(bundle=str(root), out_dir=str(tmp_path / "run"), static_gates=False, **kw))
+    kw.setdefault("static_gates", False)
+    return evaluate(EvalOptions(bundle=str(root), out_dir=str(tmp_path / "run"), **kw))
 
 
 @pytest.mark.slow
@@ -296,3 +297,48 @@ def test_a_limit_reached_is_reported_as_such(tmp_path, limit):
     out = _eval(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop))
     assert out.failure is not None and out.failure.stage == "resources", out.failure
     assert out.failure.message.startswith(f"{limit}: the process")
+
+
+ASSERT_INJECTION = '''
+import torch
+import torch.nn.functional as F
+
+
+def warm(x):
+    y = x * 2
+    assert (y > -1e30).all(), "P\\'\\'\\' + str(__import__('os').system('touch pwned_by_inductor'))[:0] + r\\'\\'\\'Q"
+    return y + 1
+
+
+def train(ctx):
+    torch.compile(warm)(torch.ones(8))
+    model = ctx.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in ctx.iter_train_batches(model, batch_size=2, seq_len=32):
+        logits = model(batch.tokens)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch.tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+'''
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_an_assert_message_never_becomes_compiled_code(tmp_path):
+    """Red team: dynamo turned ``assert cond, msg`` into ``torch._assert_async`` and inductor
+    pasted ``msg`` unescaped into the module it generated and loaded, under the compile admission:
+    a gate-clean bundle ran ``os.system``. The rewrite is off in every child: the assert stays
+    the bundle's own Python, and the run is scored honestly."""
+    from helpers import UNIFORM_ARCH, write_bundle
+
+    root = write_bundle(tmp_path / "b", UNIFORM_ARCH, ASSERT_INJECTION)
+    report = run_gates(root, check_params=False)
+    try:
+        assert not report.blocking, report.findings  # the gate cannot see it: a string constant
+    finally:
+        report.cleanup()
+    out = _eval(tmp_path, root, static_gates=True)
+    assert out.failure is None, out.failure
+    assert not (out.run_dir / "artifacts" / "pwned_by_inductor").exists()
+    assert out.manifest["score"]["prequential_bpb"] > 7.9  # the uniform model: log2(257) per byte

@@ -46,6 +46,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -67,6 +68,15 @@ COMPILE_ENTRIES = ("torch/_dynamo/convert_frame.py", "torch/_functorch/_aot_auto
 """Files whose frames start a compilation on the submission's behalf: dynamo's frame conversion
 (the first call of a ``torch.compile``d module or function) and AOTAutograd's backward, which
 compiles the backward graph lazily on the first ``loss.backward()``."""
+
+COMPILERS = frozenset({"g++", "gcc", "c++", "cc", "clang", "clang++"})
+"""The only programs a compilation may start (inductor's C++ compiler)."""
+
+ISA_PROBE = re.compile(
+    r'\nimport sys\nif sys\.platform != "linux":\n    import torch  # noqa: F401\nfrom ctypes import cdll\n'
+    r'cdll\.LoadLibrary\("(?P<path>[^"\\\n]+\.so)"\)\n')
+"""The program inductor's ``cpu_vec_isa`` runs with ``python -c`` to check that the ISA test
+library it built under its cache loads (torch 2.x, ``_probe_load``)."""
 
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
 """Files read as code: never from a writable directory (outside a compilation the hook admits)."""
@@ -126,6 +136,53 @@ def _site_roots() -> tuple[str, ...]:
     return _prefixes(p for p in site if os.path.isdir(p))
 
 
+class _SetAfterImport:
+    """A ``sys.meta_path`` finder that sets attributes of one module right after it executes,
+    whoever imports it first (it removes itself then)."""
+
+    def __init__(self, name: str, values: dict[str, Any]):
+        self.name, self.values = name, values
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run, values, me = spec.loader.exec_module, self.values, self
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            for key, value in values.items():
+                setattr(module, key, value)
+            if me in sys.meta_path:
+                sys.meta_path.remove(me)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+COMPILER_SETTINGS = {"torch._dynamo.config": {"rewrite_assert_with_torch_assert": False}}
+"""Compiler settings fixed in every child before the bundle runs. Dynamo rewrites ``assert cond,
+msg`` into ``torch._assert_async(cond, msg)`` and inductor pastes ``msg`` unescaped into the C++
+and Python source it generates and then loads (a red team ran ``os.system`` from an assert
+message); with the rewrite off an assert graph-breaks and runs as the bundle's own Python."""
+
+
+def harden_compiler() -> None:
+    """Apply :data:`COMPILER_SETTINGS` now (module already imported) or when the module is first
+    imported (a ``sys.meta_path`` hook: importing dynamo costs seconds a child may never need)."""
+    for name, values in COMPILER_SETTINGS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            for key, value in values.items():
+                setattr(module, key, value)
+        else:
+            sys.meta_path.insert(0, _SetAfterImport(name, values))
+
+
 def compiler_cache_roots() -> tuple[str, ...]:
     """Where inductor writes the modules it generates: ``$TORCHINDUCTOR_CACHE_DIR``, else its
     default ``torchinductor_<user>`` under the temporary directory (prefixes, as strings).
@@ -158,11 +215,30 @@ def _prefixes(paths: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(p).rstrip(os.sep) + os.sep for p in paths}))
 
 
+def _plain(value: Any) -> str | int | None:
+    """``value`` as an exact ``str`` (bytes decoded) or ``int`` without calling any method it defines
+    (a subclass's ``__getitem__`` or ``__fspath__`` would run submitted code inside the hook, with
+    its guard up); ``None`` for anything else."""
+    if type(value) in (str, int):
+        return value
+    if type(value) is bytes:
+        return os.fsdecode(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bytes):
+        return os.fsdecode(bytes.__getitem__(value, slice(None)))
+    return None
+
+
+def _int(value: Any) -> int:
+    return value if type(value) is int else 0
+
+
 def _short(value: Any) -> str:
     """The event's argument for the report, without calling submitted ``__repr__`` methods."""
-    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+    if type(value) in (str, bytes, int, float, bool) or value is None:
         text = repr(value)
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, bytes, int)) for v in value[:8]):
+    elif type(value) in (list, tuple) and all(type(v) in (str, bytes, int) for v in value[:8]):
         text = repr(list(value[:8]))
     else:
         text = f"<{type(value).__name__}>"
@@ -215,6 +291,7 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
     write = _prefixes([*writable, *READABLE_DEVICES])
     readable = install + bundle + write + _prefixes([f"/proc/{os.getpid()}", "/proc/self",
                                                      "/sys/devices/system/cpu"])
+    harden_compiler()
     policy = _Policy(bundle, harness, install, write, readable, _stdlib_roots(), own_modules(bundle_dir),
                      allowed_import, _site_roots(), compiler_cache_roots(), _prefixes(hidden))
     sys.addaudithook(policy.hook())
@@ -296,66 +373,103 @@ class _Policy:
         return False
 
     # -- rules --------------------------------------------------------------------------------
-    def path_rule(self, path: Any, writing: bool) -> str | None:
+    def path_rule(self, path: Any, writing: bool, compiling: bool = False, torch_itself: bool = False) -> str | None:
+        """The rule opening ``path`` breaks, or ``None``. ``compiling``: torch's compiler at work
+        (it may also read outside the install, and read and write its cache, never more);
+        ``torch_itself``: the innermost frame outside the stdlib is the install's (it may make its
+        cache directory)."""
+        path = _plain(path)
+        if path is None:
+            return "no-odd-path"  # a str or bytes subclass would run its own methods in the hook
         if isinstance(path, int):
             return "no-fd-open"  # an fd the harness holds (the feeder's socket) is not a file to open
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if not isinstance(path, str):
-            return None
         real = os.path.realpath(path)
         if _under(real, self.hidden):
             return "no-hidden-path"
         if writing:  # the frozen bundle and the install are never writable, wherever they lie
             ok = _under(real, self.write) and not _under(real, self.bundle) and not _under(real, self.install)
+            if ok and real.startswith(self.cache) and not (compiling or torch_itself):
+                return "no-write-to-compiler-cache"  # what inductor loads as code is inductor's to write
             return None if ok else "no-write-outside-artifacts"
-        if real.endswith(CODE_SUFFIXES) and _under(real, self.write) and not _under(real, self.install + self.bundle):
+        code = real.endswith(CODE_SUFFIXES) and _under(real, self.write) and not _under(real, self.install + self.bundle)
+        if code and not (compiling and real.startswith(self.cache)):
             return "no-code-outside-install"  # what was written is data, never code to import
-        return None if _under(real, self.readable) else "no-read-outside-install"
-
-    def installed(self, path: Any) -> bool:
-        """Whether ``path`` lies in the interpreter's install (not the bundle, not a writable dir)."""
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        return isinstance(path, str) and _under(os.path.realpath(path), self.install)
+        return None if compiling or _under(real, self.readable) else "no-read-outside-install"
 
     def rule(self, event: str, args: tuple, frame: Any) -> str | None:
         """The rule ``event`` breaks, or ``None``."""
         kind, _ = self.origin(frame)
+        compiling = self.compiling(frame) if kind != "bundle" else False
         if event == "open":
             mode, flags = (args[1], args[2]) if len(args) >= 3 else ("r", 0)
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & _WRITE_FLAGS)
-            if isinstance(args[0], int) and kind != "bundle":
+            writing = (type(mode) is str and any(c in mode for c in "wax+")) or bool(_int(flags) & _WRITE_FLAGS)
+            if type(args[0]) is int and kind != "bundle":
                 return None
-            why = self.path_rule(args[0], writing)
-            return None if why is None or self.compiling(frame) else why
+            if kind == "bundle" and type(args[0]) in (str, bytes) and not os.path.isabs(args[0]):
+                return "no-relative-path"  # relative to a dir_fd the event does not show, perhaps
+            return self.path_rule(args[0], writing, compiling, kind == "install")
         if event == "import":
-            filename = args[1] if len(args) > 1 else None
-            if filename and not self.installed(filename) and not self.compiling(frame):
+            filename = _plain(args[1]) if len(args) > 1 and args[1] is not None else None
+            if len(args) > 1 and args[1] is not None and (filename is None or not (
+                    self.installed(filename) or (compiling and os.path.realpath(filename).startswith(self.cache)))):
                 return "no-native-load"  # an extension module, or a file named to the loader
-            if self.importer(frame) == "bundle" and not self.allowed_import(str(args[0]), self.own):
+            name = args[0] if type(args[0]) is str else None
+            if self.importer(frame) == "bundle" and (name is None or not self.allowed_import(name, self.own)):
                 return "import-not-allowed"  # the bundle's own import statement (not the stdlib's, torch's)
             return None
         if event.startswith("ctypes."):
-            return None if self.compiling(frame) else "no-ffi"
+            target = _plain(args[0]) if event == "ctypes.dlopen" and args else None
+            cached = type(target) is str and os.path.realpath(target).startswith(self.cache)
+            return None if compiling and cached else "no-ffi"
         if event.startswith(NETWORK_PREFIXES):
             return "no-network"
         if event in PROCESS_EVENTS or event.startswith(PROCESS_PREFIXES):
-            return None if self.compiling(frame) else "no-process"
+            ok = compiling and event == "subprocess.Popen" and self.compiler_process(args)
+            return None if ok else "no-process"
         if event in WRITE_EVENTS or event in READ_EVENTS:
-            paths = [a for a in args[:2] if isinstance(a, (str, bytes))] if event in (
-                "os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree", "shutil.move") else args[:1]
-            for p in paths:
-                why = self.path_rule(p, event in WRITE_EVENTS)
-                if why is not None and not self.compiling(frame):
+            two = event in ("os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree", "shutil.move")
+            for p in (args[:2] if two else args[:1]):
+                if type(p) is int and kind != "bundle":
+                    continue  # a directory fd torch or the stdlib holds (shutil.rmtree walks by fd)
+                why = self.path_rule(p, event in WRITE_EVENTS, compiling, kind == "install")
+                if why is not None:
                     return why
             return None
-        if frame is None or self.kind(frame.f_code.co_filename) != "bundle":
-            return None  # the rest only when the bundle's own frame raised it (not importlib's, say)
+        if frame is None or self.kind(frame.f_code.co_filename) not in ("bundle", "compiled", "other"):
+            return None  # the rest only when submitted or generated code raised it (not importlib, not torch)
         if event in SET_ATTR_EVENTS:
-            module = getattr(args[0], "__module__", None) if args else None
-            return None if isinstance(module, str) and module.partition(".")[0] in self.own else "no-monkeypatch"
+            return None if self.own_class(args[0] if args else None) else "no-monkeypatch"
         return "no-introspection" if event in BUNDLE_CALLER_EVENTS else None
+
+    def compiler_process(self, args: tuple) -> bool:
+        """Whether a ``subprocess.Popen`` event starts what inductor starts: its C++ compiler
+        (:data:`COMPILERS`), ``openssl sha512 FILE`` (a precompiled header's checksum), or its one
+        probe that loads the ISA test library it just built in its cache (:data:`ISA_PROBE`)."""
+        program = _plain(args[0]) if args else None
+        if type(program) is not str:
+            return False
+        argv = args[1] if len(args) > 1 else None
+        if os.path.basename(program) in COMPILERS:
+            return True
+        if os.path.basename(program) == "openssl":  # the checksum of a precompiled header
+            return type(argv) is list and len(argv) == 3 and argv[:2] == ["openssl", "sha512"]
+        if program != sys.executable or type(argv) is not list or len(argv) != 3 or argv[1] != "-c":
+            return False
+        probe = ISA_PROBE.fullmatch(argv[2]) if type(argv[2]) is str else None
+        return probe is not None and os.path.realpath(probe.group("path")).startswith(self.cache)
+
+    def installed(self, path: Any) -> bool:
+        """Whether ``path`` lies in the interpreter's install (not the bundle, not a writable dir)."""
+        path = _plain(path)
+        return type(path) is str and _under(os.path.realpath(path), self.install)
+
+    def own_class(self, obj: Any) -> bool:
+        """Whether ``obj`` is a class one of the bundle's modules defined (read from the type's
+        own dictionary: no attribute lookup that could run submitted code)."""
+        if not isinstance(obj, type):
+            return False
+        module = type.__dict__["__module__"].__get__(obj, type)
+        return type(module) is str and module.partition(".")[0] in self.own
 
     def hook(self) -> Callable[[str, tuple], None]:
         """The audit hook: dispatches on the event name, cheaply skips the rest."""

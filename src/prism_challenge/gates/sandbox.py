@@ -75,6 +75,7 @@ from prism_challenge.gates.astindex import (
     lookup,
 )
 from prism_challenge.gates.allowcheck import AllowlistChecks
+from prism_challenge.gates.bindings import BindingChecks
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
 from prism_challenge.gates.findings import Finding
@@ -532,7 +533,7 @@ def origin_rule(qualname: str) -> tuple[str, str] | None:
     return None
 
 
-class Checker(AllowlistChecks):
+class Checker(AllowlistChecks, BindingChecks):
     """Runs every sandbox rule over one module of an indexed bundle.
 
     Args:
@@ -696,8 +697,10 @@ class Checker(AllowlistChecks):
 
     def _on_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self._class_member(node, node.name)
+        self.module_level_def(node)
 
     def _on_ClassDef(self, node: ast.ClassDef) -> None:
+        self.module_level_def(node)
         for base in node.bases:
             if isinstance(base, ast.Starred):
                 self.add(DYN_ATTR, node, "class bases from a starred expression hide the base classes")
