@@ -51,7 +51,7 @@ def test_the_environment_is_an_allow_list_plus_the_compute_settings(monkeypatch)
          "memory: the process ran out of its memory limit of 4,096 bytes (exit status 1)"),
         (-6, "libgomp: Thread creation failed: Resource temporarily unavailable",
          "tasks: the process could not start a thread or process: the task limit of 64 was reached (signal SIGABRT)"),
-        (-11, "Segmentation fault", "crash: the process ended with signal SIGSEGV"),
+        (-11, "Segmentation fault", "crash: the process ended (signal SIGSEGV)"),
     ],
 )
 def test_diagnose_names_the_cause(code, output, kind):

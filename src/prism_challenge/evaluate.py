@@ -611,7 +611,7 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     if result.error is not None:  # a limit reached is named as such, not as the loop's error or a lost rank
         message = str(result.error.get("message", ""))
         lost = "closed" in message or "connection" in message.lower()
-        kind = diagnose(proc.poll() or 1, _log_tail(log_path, 200) if lost else message, jail.limits)[0]
+        kind = diagnose(proc.poll() if lost else None, _log_tail(log_path, 200) if lost else message, jail.limits)[0]
         if kind.startswith(("memory:", "tasks:")):
             return EvalFailure("resources", kind if lost else f"{kind}: {message}", _log_tail(log_path))
     if result.error is not None:

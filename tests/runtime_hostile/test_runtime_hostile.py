@@ -208,7 +208,8 @@ def test_fork_bomb_is_contained_and_reported(tmp_path):
 @needs_sandbox
 def test_memory_bomb_is_contained_and_reported(tmp_path):
     o = run(tmp_path, write(tmp_path / "b", hb.UNIFORM, hb.MEMORY_BOMB), memory_limit_bytes=3 << 30)
-    assert o.failure is not None and o.failure.stage == "train", o.failure
+    assert o.failure is not None and o.failure.stage == "resources", o.failure  # named as the limit it is
+    assert o.failure.message.startswith("memory: the process ran out of its memory limit of 3,221,225,472 bytes: ")
     assert any(s in o.failure.message for s in ("allocate memory", "MemoryError", "out of memory")), o.failure
 
 
@@ -371,7 +372,6 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
     import sys
 
     import prism_challenge.evaluate as ev
-    import prism_challenge.gates.core as gates_core
 
     bundle = write(tmp_path / "b", hb.UNIFORM, PLAIN_LOOP)
     plant = [("training", "def train(ctx):\n    raise RuntimeError('planted training bytecode ran')\n"),
@@ -385,21 +385,39 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
     with pytest.raises(ev.EvalFailure) as refused:  # intake refuses a bundle that ships bytecode
         run(tmp_path, bundle, name="refused", run_gates=True)
     assert refused.value.stage == "intake" and refused.value.message.startswith("prism:bytecode: __pycache__/")
-    # planted again once the last intake check has passed (the owner of a directory bundle can)
+    # planted into the frozen copy once intake passed (only the trusted side could): the gates'
+    # parameter child, every rank and the held-out child still read the source
     shutil.rmtree(bundle / "__pycache__")
-    real_open = gates_core.open_bundle
+    from prism_challenge import frozen as frozen_mod
 
-    def open_then_plant(*a, **k):
-        opened = real_open(*a, **k)
+    real_freeze, real_gates = ev.freeze, ev._static_gates
+    seen_by_check = {"update": True}
+    frozen_copies = []
+
+    def freeze_and_keep(*a, **k):
+        frozen_copies.append(real_freeze(*a, **k))
+        return frozen_copies[-1]
+
+    def gates_then_plant(opts, root):  # after the gates read the copy: the ranks import it next
+        gated = real_gates(opts, root)
+        fb = frozen_copies[-1]
+        os.chmod(fb.root, 0o755)
         for module, source in plant:
-            plant_bytecode(bundle, module, source)
-        return opened
+            plant_bytecode(fb.root, module, source)
+        if seen_by_check["update"]:  # hide the plant from the after-run check: the loader alone
+            fb.at_intake = frozen_mod.snapshot(fb.root)
+        return gated
 
-    monkeypatch.setattr(gates_core, "open_bundle", open_then_plant)
-    # the gates (parameter child), every rank and the held-out child read the source instead
+    monkeypatch.setattr(ev, "freeze", freeze_and_keep)
+    monkeypatch.setattr(ev, "_static_gates", gates_then_plant)
     o = run(tmp_path, bundle, run_gates=True, heldout_bytes=30000)
     assert o.failure is None, o.failure
-    assert len(list((bundle / "__pycache__").glob("*.pyc"))) == 2  # it was there all along
     s = o.manifest["score"]
     assert s["prequential_bpb"] == pytest.approx(uniform_bpb(s), rel=1e-6)
     assert o.manifest["verdict"]["heldout"] is not None, o.manifest["verdict"]["heldout_error"]
+    # and the after-run check names a copy that changed since intake
+    seen_by_check["update"] = False
+    o = run(tmp_path, bundle, name="changed", run_gates=True, heldout_bytes=0)
+    assert o.failure is not None and o.failure.stage == "contract"
+    assert o.failure.message.startswith("the frozen bundle changed during the run: __pycache__")
+

@@ -159,8 +159,9 @@ class Finished:
     refusal: dict[str, Any] | None
 
 
-def diagnose(returncode: int, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
-    """Why a jailed child ended with ``returncode``: ``(kind: reason, refusal or None)``.
+def diagnose(returncode: int | None, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
+    """Why a jailed child ended with ``returncode`` (``None``: a report the child made itself,
+    not an exit): ``(kind: reason, refusal or None)``.
 
     Kinds: ``audit`` (the audit hook refused an event: it is named), ``memory`` (the memory
     limit was reached), ``tasks`` (the task limit was reached), ``crash`` (anything else, with
@@ -170,16 +171,16 @@ def diagnose(returncode: int, output: str, limits: Limits, *, oom: bool = False)
     if refusal is not None:
         return f"audit: {describe_refusal(refusal)}", refusal
     low = output.lower()
-    how = f"signal {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in signal.valid_signals() \
-        else f"exit status {returncode}"
+    how = "" if returncode is None else f" (signal {signal.Signals(-returncode).name})" \
+        if returncode < 0 and -returncode in signal.valid_signals() else f" (exit status {returncode})"
     if oom or any(s in low for s in MEMORY_SIGNS):
         cap = limits.address_space_bytes
-        return f"memory: the process ran out of its memory limit{f' of {cap:,} bytes' if cap else ''} ({how})", None
+        return f"memory: the process ran out of its memory limit{f' of {cap:,} bytes' if cap else ''}{how}", None
     if any(s in low for s in TASK_SIGNS):
         cap = limits.max_processes
         return f"tasks: the process could not start a thread or process: the task limit{f' of {cap}' if cap else ''} " \
-               f"was reached ({how})", None
-    return f"crash: the process ended with {how}", None
+               f"was reached{how}", None
+    return f"crash: the process ended{how or ''}", None
 
 
 @dataclass
