@@ -16,6 +16,7 @@ import hmac
 import os
 import platform
 import resource
+import shlex
 import shutil
 import tempfile
 import time
@@ -44,7 +45,9 @@ from prism_challenge.evaluator.isolation import (
 )
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
 from prism_challenge.heldout import HeldoutError, run_heldout
+from prism_challenge.profiles import Profile, data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
+from prism_challenge.report import strip_launcher_dump
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
@@ -83,7 +86,9 @@ NO_ISOLATION_WARNING = (
 class EvalOptions:
     """Settings of one scored run (the challenge's side: data, seed, order, budgets).
 
-    Budgets: ``token_budget`` (stream tokens), ``step_budget`` (global batches),
+    Budgets: ``token_budget`` (stream tokens), ``byte_budget`` (UTF-8 bytes: the stream stops at
+    the first batch boundary at or past it, so runs with different tokenizers cover the same
+    text), ``step_budget`` (global batches),
     ``wall_clock_budget`` (seconds from the gates' release; graceful: the stream stops and what
     was scored is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
     Stalls: at world size 1 a rank that took a batch and then sends nothing for
@@ -98,6 +103,9 @@ class EvalOptions:
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
     for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
+    ``profile``: the challenge profile the settings came from (:mod:`~prism_challenge.profiles`;
+    its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set
+    otherwise; both are recorded in the manifest's ``profile``.
     """
 
     bundle: str
@@ -106,6 +114,7 @@ class EvalOptions:
     seed: int = DEFAULT_SEED
     seq_len: int = DEFAULT_SEQ_LEN
     token_budget: int | None = None
+    byte_budget: int | None = None
     step_budget: int | None = None
     wall_clock_budget: float | None = None
     nproc: int = 1
@@ -126,6 +135,8 @@ class EvalOptions:
     heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
     policy: Policy = field(default_factory=Policy)
     warm_ranks: bool = True
+    profile: Profile | None = None
+    profile_overridden: list[str] = field(default_factory=list)
 
 
 USAGE_STAGE = "config"
@@ -227,7 +238,7 @@ def _socket_path(run_dir: Path) -> tuple[str, Path | None]:
 
 def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
-        text = path.read_text(errors="replace")
+        text = strip_launcher_dump(path.read_text(errors="replace"))  # torchrun's own dump stays in the log
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])
@@ -265,6 +276,10 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     device = _resolve_device(opts.device)
     if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
         _check_out_dir(Path(opts.out_dir))
+    pin = opts.profile.data if opts.profile is not None else None
+    if pin is not None and not opts.data_dir and pin.source != "builtin":
+        raise EvalFailure(USAGE_STAGE, f"profile {opts.profile.name} scores {pin.source} data: pass --data DIR, "
+                                       f"a directory built with `{prepare_hint(pin)}`")
 
     # 1. intake (a .zip is extracted once; the gates and the runner see that one copy). The
     # sandbox of a root run is another uid: a private directory is evaluated from a readable copy
@@ -295,11 +310,24 @@ class _Gated:
     bundle_sha256: str | None = None
 
 
-def _refuse(findings: list[Any]) -> EvalFailure:
+def check_command(opts: EvalOptions) -> str:
+    """The ``prism check`` command line that reproduces this run's gate findings (the settings
+    the gates depend on: ``--nproc``, ``--seq-len``, ``--max-parameters``)."""
+    parts = ["prism", "check", shlex.quote(str(opts.bundle))]
+    if opts.nproc != 1:
+        parts += ["--nproc", str(opts.nproc)]
+    if opts.seq_len != DEFAULT_SEQ_LEN:
+        parts += ["--seq-len", str(opts.seq_len)]
+    if opts.max_parameters != DEFAULT_MAX_PARAMETERS:
+        parts += ["--max-parameters", str(opts.max_parameters)]
+    return " ".join(parts)
+
+
+def _refuse(findings: list[Any], opts: EvalOptions) -> EvalFailure:
     """The gates' failure: every blocking finding (``file:line:col: rule: message``) in ``detail``."""
     return EvalFailure(
         "gates",
-        f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
+        f"{sum(f.blocking for f in findings)} blocking finding(s); `{check_command(opts)}` lists them",
         "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
     )
 
@@ -321,7 +349,7 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
         raise EvalFailure("intake", str(exc)) from None
     report.cleanup()  # a directory bundle: nothing was extracted
     if report.blocking:
-        raise _refuse(list(report.findings))
+        raise _refuse(list(report.findings), opts)
     return _Gated(list(report.findings), None, time.monotonic() - t0,
                   report.bundle.sha256 if report.bundle is not None else None)
 
@@ -339,7 +367,7 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
                                   max_parameters=opts.max_parameters)
     findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     if any(f.blocking for f in found):
-        raise _refuse(findings)
+        raise _refuse(findings, opts)
     return _Gated(findings, count, gated.seconds + time.monotonic() - t0, gated.bundle_sha256)
 
 
@@ -430,6 +458,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         chunks = train_stream(data, tokenizer)
     except DataError as exc:
         raise EvalFailure("data", str(exc)) from None
+    profile_record = _check_profile(opts, tokenizer.name, data)
 
     # 3. run directory, feeder socket, sandbox, torchrun
     run_dir, fresh_dir = _new_run_dir(opts, bundle)
@@ -458,6 +487,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         world_size=opts.nproc,
         vocab_size=tokenizer.vocab_size,
         token_budget=opts.token_budget,
+        byte_budget=opts.byte_budget,
         step_budget=opts.step_budget,
         wall_clock_budget=opts.wall_clock_budget,
         on_record=_recorded,
@@ -509,7 +539,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         if opts.token_budget:
             on_start({"total": opts.token_budget, "unit": "tokens"})
         else:
-            on_start({"total": int(data.split("train").get("utf8_bytes") or 0) or None, "unit": "bytes"})
+            total = int(data.split("train").get("utf8_bytes") or 0) or None
+            if opts.byte_budget:
+                total = min(total, opts.byte_budget) if total else opts.byte_budget
+            on_start({"total": total, "unit": "bytes"})
     try:
         killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release)
     finally:
@@ -567,10 +600,34 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
             "wall_s": t_done - t_start,
         },
     )
+    manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | None:
+    """The manifest's ``profile`` entry; a data directory that differs from the profile's pin
+    adds ``data`` to the overridden fields (``data_mismatch`` says how).
+
+    Raises:
+        EvalFailure: stage ``config``: the bundle's tokenizer is not one the profile allows.
+    """
+    profile = opts.profile
+    if profile is None:
+        return None
+    if tokenizer not in profile.tokenizers:
+        raise EvalFailure(USAGE_STAGE, f"profile {profile.name}: tokenizer {tokenizer!r} (prism.yaml) is not "
+                                       f"allowed; allowed: {', '.join(profile.tokenizers)}")
+    overridden = list(opts.profile_overridden)
+    mismatch = data_mismatch(profile.data, data.data, data.sha256)
+    if mismatch and "data" not in overridden:
+        overridden = sorted([*overridden, "data"])
+    record = manifest_record(profile, overridden)
+    if mismatch:
+        record["data_mismatch"] = mismatch
+    return record
 
 
 def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_release: float) -> str | None:
@@ -728,6 +785,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads},
         "budgets": {
             "token_budget": opts.token_budget,
+            "byte_budget": opts.byte_budget,
             "step_budget": opts.step_budget,
             "wall_clock_budget_s": opts.wall_clock_budget,
         },
