@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.compare_report import add_compare_parser
 
     add_compare_parser(sub)
+    from prism_challenge.scaffold import add_init_parser
+
+    add_init_parser(sub)
     return parser
 
 

@@ -47,7 +47,7 @@ from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
 from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.profiles import Profile, data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
-from prism_challenge.report import strip_launcher_dump
+from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
@@ -234,6 +234,17 @@ def _socket_path(run_dir: Path) -> tuple[str, Path | None]:
         return str(path), None
     tmp = Path(tempfile.mkdtemp(prefix="prism-"))
     return str(tmp / "feeder.sock"), tmp
+
+
+def _drop_c10d_warnings(log: Path) -> None:
+    """Remove c10d's hostname warning from the runner log: the sandbox's empty network namespace
+    resolves no hostname, so every rank's TCPStore client printed it first, on every run."""
+    try:
+        text = log.read_text(errors="replace")
+        if C10D_HOSTNAME_WARNING in text:
+            log.write_text("".join(line for line in text.splitlines(keepends=True) if C10D_HOSTNAME_WARNING not in line))
+    except OSError:
+        pass
 
 
 def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -557,6 +568,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, device: str, t_start: float, 
         if sock_tmp is not None:
             shutil.rmtree(sock_tmp, ignore_errors=True)
     t_end = time.monotonic()
+    _drop_c10d_warnings(log_path)
 
     # 4. score what was scored
     failure = _judge(opts, result, killed_by, proc, log_path)
@@ -748,7 +760,31 @@ def _heldout(opts: EvalOptions, sandbox: _Sandbox, bundle: Bundle, data, tokeniz
         return run_heldout(config, timeout_s=opts.heldout_timeout, prefix=_heldout_prefix(sandbox, bundle),
                            memory_bytes=None if device == "cuda" else opts.memory_limit_bytes), None
     except (HeldoutError, IsolationError, DataError) as exc:
-        return None, str(exc)
+        return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
+
+
+HELDOUT_HINTS = {
+    "load:": "the trained state does not load into build_model(ctx)'s module: pass that module (or its "
+             "torch.compile wrapper) to ctx.iter_train_batches, and keep the parameter names build_model makes",
+    "build:": "build_model(ctx) fails or differs in the held-out process: it must build the same module every call",
+    "timeout:": "the held-out forward passes are too slow for --heldout-bytes; lower it",
+}
+HELDOUT_LINE_CHARS = 240
+
+
+def _one_line(error: str, log: Path) -> str:
+    """A held-out error as one line plus a hint; the whole text goes to ``log`` (the summary
+    and the manifest's ``heldout_error`` keep the line, the log keeps, e.g., every missing key)."""
+    lines = error.strip().splitlines() or ["unknown error"]
+    line = lines[0] if len(lines[0]) <= HELDOUT_LINE_CHARS else lines[0][:HELDOUT_LINE_CHARS] + "..."
+    hint = next((h for prefix, h in HELDOUT_HINTS.items() if line.startswith(prefix)), None)
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(error.rstrip() + "\n")
+        where = f" (full error: {log})" if len(lines) > 1 or line != lines[0] else ""
+    except OSError:
+        where = ""
+    return line + (f"; hint: {hint}" if hint else "") + where
 
 
 def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score, failure, findings,
