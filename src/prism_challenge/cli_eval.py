@@ -185,7 +185,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(json.dumps(summary, indent=2))
         return code
     results = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds, 1):
+        _err().print(f"prism eval: run {i} of {len(seeds)}, seed {seed}", highlight=False)
         code, summary = _run_one(args, _options(args, profile, seed, _seed_out(args, seed)), human)
         results.append(summary)
         if code == EXIT_USAGE:
@@ -243,8 +244,8 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
         print_failure(err, outcome.failure, outcome.run_dir)
     elif args.quiet:
         if not args.json:
-            print(f"prequential_bpb {summary['prequential_bpb']:.6f}  final_score {summary['final_score']:.6f}  "
-                  f"manifest {summary['manifest']}")
+            print(f"seed {opts.seed}  final_score {summary['final_score']:.6f}  prequential_bpb "
+                  f"{summary['prequential_bpb']:.6f}  manifest {summary['manifest']}")
     else:
         print_summary(human, outcome)
     return code, summary

@@ -151,8 +151,9 @@ def warnings(groups: Sequence[Group]) -> list[str]:
     return out
 
 
-def _settings(m: dict[str, Any]) -> str:
-    """Everything but the seed that makes two runs of one bundle the same experiment."""
+def variant(m: dict[str, Any]) -> str:
+    """Everything but the seed that makes two runs of one bundle the same experiment (a JSON
+    string: the bundle sha256, the comparability key, config, profile, device, tokenizer)."""
     profile = dict(m.get("profile") or {})
     profile["overridden"] = [f for f in profile.get("overridden", []) if f != "seed"]
     return json.dumps([(m.get("bundle") or {}).get("sha256"), comparability(m), m.get("config"), profile,
@@ -165,7 +166,7 @@ def seed_repeats(group: Group) -> list[dict[str, Any]]:
     (two or more), with the mean and sample std (ddof=1) of ``prequential_bpb`` and ``final_score``."""
     by: dict[str, list[Run]] = {}
     for r in group.runs:
-        by.setdefault(_settings(r.manifest), []).append(r)
+        by.setdefault(variant(r.manifest), []).append(r)
     out = []
     for runs in by.values():
         if len({r.manifest.get("seed") for r in runs}) < 2:

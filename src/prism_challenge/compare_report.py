@@ -11,7 +11,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.compare import CompareError, Group, Run, find_runs, group_runs, load_runs, seed_repeats, warnings
+from prism_challenge.compare import (
+    CompareError,
+    Group,
+    Run,
+    find_runs,
+    group_runs,
+    load_runs,
+    seed_repeats,
+    variant,
+    warnings,
+)
 
 HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop")
 CONSOLE_HIDDEN = ("tokenizer", "bytes")  # in the group's key line, and in the HTML report
@@ -143,7 +153,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         groups = group_runs(runs)
         failed = [r for r in runs if not r.scored]
         print_report(console, groups, failed)
-        fig = learning_curve_figure([run_curve(r.manifest, r.label) for g in groups for r in g.runs]) if groups else None
+        shown = [r for g in groups for r in g.runs]
+        fig = learning_curve_figure([run_curve(r.manifest, r.label) for r in shown],
+                                    colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)
         if args.html:

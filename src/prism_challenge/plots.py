@@ -72,21 +72,36 @@ def run_curve(manifest: Mapping[str, Any], label: str) -> RunCurve:
     return RunCurve(label, [int(b) for b in cum_b], batch, cumulative)
 
 
-def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learning curves") -> Figure:
+def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learning curves",
+                          colour_by: Sequence[str] | None = None) -> Figure:
     """Bits per byte against bytes scored for every run: per-batch (thin) and cumulative (thick).
 
+    Args:
+        curves: the runs.
+        title: the axes' title.
+        colour_by: one key per curve; curves with one key share a colour (e.g. the seed repeats
+            of one variant), each seed with its own dash pattern. Default: a colour per curve.
+
     Raises:
-        PlotError: no curves.
+        PlotError: no curves, or ``colour_by`` of another length.
     """
     if not curves:
         raise PlotError("no run to plot")
-    fig = Figure(figsize=(9, 5.2), dpi=100, layout="constrained")
+    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(len(curves))]
+    if len(keys) != len(curves):
+        raise PlotError(f"colour_by has {len(keys)} keys for {len(curves)} curves")
+    order = list(dict.fromkeys(keys))
+    fig = Figure(figsize=(9, 5.6 + 0.22 * ((len(curves) + 3) // 2)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    colours = [f"C{i % 10}" for i in range(len(curves))]
-    for curve, colour in zip(curves, colours):
+    colours, seen = [], {}
+    styles = ("-", "--", ":", "-.")
+    for k in keys:
+        seen[k] = seen.get(k, -1) + 1
+        colours.append((f"C{order.index(k) % 10}", styles[seen[k] % len(styles)]))
+    for curve, (colour, style) in zip(curves, colours):
         ax.plot(curve.cumulative_bytes, curve.batch_bpb, color=colour, linewidth=0.8, alpha=0.35)
-        ax.plot(curve.cumulative_bytes, curve.cumulative_bpb, color=colour, linewidth=2.2,
+        ax.plot(curve.cumulative_bytes, curve.cumulative_bpb, color=colour, linewidth=2.2, linestyle=style,
                 label=f"{curve.label}  ({curve.cumulative_bpb[-1]:.4f})")
     ax.set_xscale("log")
     ax.set_xlabel("bytes scored (UTF-8, log scale)")
@@ -95,7 +110,7 @@ def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learni
     ax.grid(True, which="both", alpha=0.3)
     ax.plot([], [], color="0.4", linewidth=2.2, label="thick: cumulative prequential bpb")
     ax.plot([], [], color="0.4", linewidth=0.8, alpha=0.5, label="thin: per-batch bpb")
-    ax.legend(fontsize="small", loc="upper right")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
     return fig
 
 
