@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prism_challenge.cli import main
-from prism_challenge.data.sources import FINEWEB_EDU_REVISION
+from prism_challenge.data.sources import FINEWEB_EDU_REPO, FINEWEB_EDU_REVISION, FINEWEB_EDU_SUBSET
 from prism_challenge.evaluate import EvalOptions
 from prism_challenge.profiles import (
     DataPin,
@@ -49,6 +49,7 @@ def test_prism_v2_is_the_official_setting():
     assert (o["seq_len"], o["nproc"], o["device"], o["wall_clock_budget"]) == (512, 1, "cuda", 1200.0)
     assert o["byte_budget"] == 100_000_000 and o["token_budget"] is None
     assert v2.data.source == "fineweb-edu" and v2.data.revision == FINEWEB_EDU_REVISION
+    assert (v2.data.dataset, v2.data.subset) == (FINEWEB_EDU_REPO, FINEWEB_EDU_SUBSET)  # what prepare records
     assert v2.data.max_bytes == 256_000_000 and v2.data.subset == "sample-10BT"
     assert prepare_hint(v2.data) == ("prism data prepare --source fineweb-edu --subset sample-10BT "
                                      f"--revision {FINEWEB_EDU_REVISION} --max-bytes 256000000 --out DIR")

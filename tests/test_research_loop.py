@@ -217,3 +217,22 @@ def test_init_writes_a_bundle_that_passes_check_and_scores_at_two_processes(tmp_
     assert m["gates"]["findings"] == [] and m["verdict"]["heldout"] is not None
     assert out["prequential_bpb"] == m["score"]["prequential_bpb"]
     assert main(["init", str(bundle)]) == 2  # not over an existing bundle
+
+
+def test_a_run_that_leaves_its_profile_says_which_fields(tmp_path, capsys):
+    from prism_challenge.data.builtin import ensure_builtin
+
+    bundle = bigram_bundle(tmp_path / "b")
+    code = main(["eval", str(bundle), "--profile", "prism-v2", "--data", str(ensure_builtin()), "--device", "cpu",
+                 "--token-budget", "500", "--heldout-bytes", "0", "--out", str(tmp_path / "run"), "--json", "--quiet"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    m = json.loads((tmp_path / "run" / MANIFEST_NAME).read_text())
+    p = m["profile"]
+    assert out["profile"] == p and p["name"] == "prism-v2"
+    # --token-budget replaced the profile's byte budget; the embedded corpus is not the pinned FineWeb-Edu
+    assert p["overridden"] == ["byte_budget", "data", "device", "heldout_bytes", "token_budget"]
+    assert p["data_mismatch"][0] == "source: profile 'fineweb-edu', data 'builtin'"
+    assert m["budgets"] == {"token_budget": 500, "byte_budget": None, "step_budget": None,
+                            "wall_clock_budget_s": 1200.0}
+    assert m["config"]["sequence_length"] == 512 and m["stream"]["stop_reason"] == "token_budget"
