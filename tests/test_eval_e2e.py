@@ -18,7 +18,7 @@ from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.run_manifest import MANIFEST_NAME
 
-from helpers import EXAMPLE, LOOP, SHARED, UNIFORM_ARCH, write_bundle
+from helpers import EXAMPLE, LOOP, REPO, SHARED, UNIFORM_ARCH, write_bundle
 
 pytestmark = pytest.mark.slow
 
@@ -175,11 +175,17 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     last_quarter = curve[-max(1, len(curve) // 4):]
     assert sum(last_quarter) / len(last_quarter) < curve[0]
     assert "prequential_bpb" in capsys.readouterr().out
-    # the same command again: identical to the last bit
-    assert main(["eval", str(EXAMPLE), "--token-budget", "20000", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert m["profile"]["name"] == "local" and m["profile"]["overridden"] == []  # 20000 is local's budget
+    # the profile `local` with --json: the same run, identical to the last bit; stdout is one JSON object
+    assert main(["eval", str(EXAMPLE), "--profile", "local", "--json", "--out", str(tmp_path / "b")]) == 0
+    out = json.loads(capsys.readouterr().out)
     m2 = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())
-    assert m2["score"]["prequential_bpb"] == s["prequential_bpb"]
+    assert out["manifest"] == str(tmp_path / "b" / MANIFEST_NAME) and out["status"] == "scored"
+    assert out["prequential_bpb"] == m2["score"]["prequential_bpb"] == s["prequential_bpb"]
+    assert out["final_score"] == m2["verdict"]["final_score"] == m["verdict"]["final_score"]
     assert m2["curve"] == m["curve"]
+    assert m2["profile"]["sha256"] == hashlib.sha256(
+        (REPO / "src/prism_challenge/profiles/local.toml").read_bytes()).hexdigest()
     # torchrun was started before the gates and released once they passed
     t = m["timing"]  # the gates ran while torchrun started
     assert 0 < t["gates_s"] <= t["launch_to_release_s"] <= t["gates_s"] + 0.5

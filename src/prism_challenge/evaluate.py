@@ -16,6 +16,7 @@ import hmac
 import os
 import platform
 import resource
+import shlex
 import shutil
 import tempfile
 import time
@@ -40,7 +41,9 @@ from prism_challenge.evaluator.jail import Jail, default_memory_limit, diagnose
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
+from prism_challenge.profiles import Profile, data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
+from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
@@ -79,7 +82,9 @@ NO_ISOLATION_WARNING = (
 class EvalOptions:
     """Settings of one scored run (the challenge's side: data, seed, order, budgets).
 
-    Budgets: ``token_budget`` (stream tokens), ``step_budget`` (global batches),
+    Budgets: ``token_budget`` (stream tokens), ``byte_budget`` (UTF-8 bytes: the stream stops at
+    the first batch boundary at or past it, so runs with different tokenizers cover the same
+    text), ``step_budget`` (global batches),
     ``wall_clock_budget`` (seconds from the gates' release; graceful: the stream stops and what
     was scored is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
     Stalls: at world size 1 a rank that took a batch and then sends nothing for
@@ -94,6 +99,9 @@ class EvalOptions:
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
     for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
+    ``profile``: the challenge profile the settings came from (:mod:`~prism_challenge.profiles`;
+    its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set
+    otherwise; both are recorded in the manifest's ``profile``.
 
     Test-only switches (never exposed on the command line): ``run_gates=False`` skips every gate,
     ``static_gates=False`` only the static ones (the parameter child still runs, in the jail),
@@ -107,6 +115,7 @@ class EvalOptions:
     seed: int = DEFAULT_SEED
     seq_len: int = DEFAULT_SEQ_LEN
     token_budget: int | None = None
+    byte_budget: int | None = None
     step_budget: int | None = None
     wall_clock_budget: float | None = None
     nproc: int = 1
@@ -129,6 +138,8 @@ class EvalOptions:
     heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
     policy: Policy = field(default_factory=Policy)
     warm_ranks: bool = True
+    profile: Profile | None = None
+    profile_overridden: list[str] = field(default_factory=list)
 
 
 USAGE_STAGE = "config"
@@ -228,9 +239,20 @@ def _socket_path(run_dir: Path) -> tuple[str, Path | None]:
     return str(tmp / "feeder.sock"), tmp
 
 
+def _drop_c10d_warnings(log: Path) -> None:
+    """Remove c10d's hostname warning from the runner log: the sandbox's empty network namespace
+    resolves no hostname, so every rank's TCPStore client printed it first, on every run."""
+    try:
+        text = log.read_text(errors="replace")
+        if C10D_HOSTNAME_WARNING in text:
+            log.write_text("".join(line for line in text.splitlines(keepends=True) if C10D_HOSTNAME_WARNING not in line))
+    except OSError:
+        pass
+
+
 def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
-        text = path.read_text(errors="replace")
+        text = strip_launcher_dump(path.read_text(errors="replace"))  # torchrun's own dump stays in the log
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])
@@ -268,6 +290,10 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     device = _resolve_device(opts.device)
     if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
         _check_out_dir(Path(opts.out_dir))
+    pin = opts.profile.data if opts.profile is not None else None
+    if pin is not None and not opts.data_dir and pin.source != "builtin":
+        raise EvalFailure(USAGE_STAGE, f"profile {opts.profile.name} scores {pin.source} data: pass --data DIR, "
+                                       f"a directory built with `{prepare_hint(pin)}`")
 
     # 1. intake: the bundle is frozen into one read-only copy; the gates, the parameter child,
     # every rank and the held-out children use it, and it is checked again after the run
@@ -297,11 +323,24 @@ class _Gated:
     bundle_sha256: str | None = None
 
 
-def _refuse(findings: list[Any]) -> EvalFailure:
+def check_command(opts: EvalOptions) -> str:
+    """The ``prism check`` command line that reproduces this run's gate findings (the settings
+    the gates depend on: ``--nproc``, ``--seq-len``, ``--max-parameters``)."""
+    parts = ["prism", "check", shlex.quote(str(opts.bundle))]
+    if opts.nproc != 1:
+        parts += ["--nproc", str(opts.nproc)]
+    if opts.seq_len != DEFAULT_SEQ_LEN:
+        parts += ["--seq-len", str(opts.seq_len)]
+    if opts.max_parameters != DEFAULT_MAX_PARAMETERS:
+        parts += ["--max-parameters", str(opts.max_parameters)]
+    return " ".join(parts)
+
+
+def _refuse(findings: list[Any], opts: EvalOptions) -> EvalFailure:
     """The gates' failure: every blocking finding (``file:line:col: rule: message``) in ``detail``."""
     return EvalFailure(
         "gates",
-        f"{sum(f.blocking for f in findings)} blocking finding(s); run `prism check` for the list",
+        f"{sum(f.blocking for f in findings)} blocking finding(s); `{check_command(opts)}` lists them",
         "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
     )
 
@@ -323,7 +362,7 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
         raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
     report.cleanup()  # a directory bundle: nothing was extracted
     if report.blocking:
-        raise _refuse(list(report.findings))
+        raise _refuse(list(report.findings), opts)
     return _Gated(list(report.findings), None, time.monotonic() - t0,
                   report.bundle.sha256 if report.bundle is not None else None)
 
@@ -341,7 +380,7 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
                                   max_parameters=opts.max_parameters, jail=jail)
     findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     if any(f.blocking for f in found):
-        raise _refuse(findings)
+        raise _refuse(findings, opts)
     return _Gated(findings, count, gated.seconds + time.monotonic() - t0, gated.bundle_sha256)
 
 
@@ -413,6 +452,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         chunks = train_stream(data, tokenizer)
     except DataError as exc:
         raise EvalFailure("data", str(exc)) from None
+    profile_record = _check_profile(opts, tokenizer.name, data)
 
     # 3. run directory, feeder socket, sandbox, torchrun
     run_dir, fresh_dir = _new_run_dir(opts, bundle)
@@ -442,6 +482,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         world_size=opts.nproc,
         vocab_size=tokenizer.vocab_size,
         token_budget=opts.token_budget,
+        byte_budget=opts.byte_budget,
         step_budget=opts.step_budget,
         wall_clock_budget=opts.wall_clock_budget,
         on_record=_recorded,
@@ -492,7 +533,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         if opts.token_budget:
             on_start({"total": opts.token_budget, "unit": "tokens"})
         else:
-            on_start({"total": int(data.split("train").get("utf8_bytes") or 0) or None, "unit": "bytes"})
+            total = int(data.split("train").get("utf8_bytes") or 0) or None
+            if opts.byte_budget:
+                total = min(total, opts.byte_budget) if total else opts.byte_budget
+            on_start({"total": total, "unit": "bytes"})
     try:
         killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release)
     finally:
@@ -507,6 +551,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         if sock_tmp is not None:
             shutil.rmtree(sock_tmp, ignore_errors=True)
     t_end = time.monotonic()
+    _drop_c10d_warnings(log_path)
 
     # 4. score what was scored
     failure = _judge(opts, result, killed_by, proc, log_path, sandbox.jail)
@@ -556,10 +601,34 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             "wall_s": t_done - t_start,
         },
     )
+    manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | None:
+    """The manifest's ``profile`` entry; a data directory that differs from the profile's pin
+    adds ``data`` to the overridden fields (``data_mismatch`` says how).
+
+    Raises:
+        EvalFailure: stage ``config``: the bundle's tokenizer is not one the profile allows.
+    """
+    profile = opts.profile
+    if profile is None:
+        return None
+    if tokenizer not in profile.tokenizers:
+        raise EvalFailure(USAGE_STAGE, f"profile {profile.name}: tokenizer {tokenizer!r} (prism.yaml) is not "
+                                       f"allowed; allowed: {', '.join(profile.tokenizers)}")
+    overridden = list(opts.profile_overridden)
+    mismatch = data_mismatch(profile.data, data.data, data.sha256)
+    if mismatch and "data" not in overridden:
+        overridden = sorted([*overridden, "data"])
+    record = manifest_record(profile, overridden)
+    if mismatch:
+        record["data_mismatch"] = mismatch
+    return record
 
 
 def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_release: float) -> str | None:
@@ -692,7 +761,31 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
     try:
         return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
     except (HeldoutError, IsolationError, DataError) as exc:
-        return None, str(exc)
+        return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
+
+
+HELDOUT_HINTS = {
+    "load:": "the trained state does not load into build_model(ctx)'s module: pass that module (or its "
+             "torch.compile wrapper) to ctx.iter_train_batches, and keep the parameter names build_model makes",
+    "build:": "build_model(ctx) fails or differs in the held-out process: it must build the same module every call",
+    "timeout:": "the held-out forward passes are too slow for --heldout-bytes; lower it",
+}
+HELDOUT_LINE_CHARS = 240
+
+
+def _one_line(error: str, log: Path) -> str:
+    """A held-out error as one line plus a hint; the whole text goes to ``log`` (the summary
+    and the manifest's ``heldout_error`` keep the line, the log keeps, e.g., every missing key)."""
+    lines = error.strip().splitlines() or ["unknown error"]
+    line = lines[0] if len(lines[0]) <= HELDOUT_LINE_CHARS else lines[0][:HELDOUT_LINE_CHARS] + "..."
+    hint = next((h for prefix, h in HELDOUT_HINTS.items() if line.startswith(prefix)), None)
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(error.rstrip() + "\n")
+        where = f" (full error: {log})" if len(lines) > 1 or line != lines[0] else ""
+    except OSError:
+        where = ""
+    return line + (f"; hint: {hint}" if hint else "") + where
 
 
 def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score, failure, findings,
@@ -729,6 +822,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads},
         "budgets": {
             "token_budget": opts.token_budget,
+            "byte_budget": opts.byte_budget,
             "step_budget": opts.step_budget,
             "wall_clock_budget_s": opts.wall_clock_budget,
         },

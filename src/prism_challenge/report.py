@@ -1,8 +1,11 @@
-"""Console reports: the summary table of a scored run and the one-line failure."""
+"""Console reports: the summary table of a scored run, the one-line failure, seed statistics."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -14,21 +17,57 @@ def print_failure(console: Console, failure, run_dir: Path | None = None) -> Non
     # soft_wrap: the reason stays one line, whatever the terminal width (grep-able, copy-able)
     console.print(f"[bold red]prism eval failed[/] at stage [bold]{failure.stage}[/]: {escape(failure.message)}",
                   highlight=False, soft_wrap=True)
-    if failure.detail:
-        console.print(failure.detail, markup=False, highlight=False, soft_wrap=True)
+    detail = strip_launcher_dump(failure.detail or "")
+    if detail:
+        console.print(detail, markup=False, highlight=False, soft_wrap=True)
     if run_dir is not None:
-        console.print(f"run manifest: {run_dir / 'prism_run_manifest.v2.json'}", markup=False)
+        console.print(f"runner log (the loop's output, torchrun's): {run_dir / 'logs' / 'runner.log'}",
+                      markup=False, highlight=False, soft_wrap=True)
+        console.print(f"run manifest: {run_dir / 'prism_run_manifest.v2.json'}", markup=False,
+                      highlight=False, soft_wrap=True)
+
+
+C10D_HOSTNAME_WARNING = "[c10d] The hostname of the client socket cannot be retrieved"
+
+
+def strip_launcher_dump(text: str) -> str:
+    """``text`` without torchrun's own failure report (its ``failed (exitcode ...)`` line, its
+    ``ChildFailedError`` traceback and the ``Failures: ... Root Cause ... error_file`` block
+    between two ``====`` rules: they stay in the run's log) and without c10d's hostname warning
+    (the sandbox has no resolvable hostname)."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        starts = ("torch/distributed/elastic/" in line and "exitcode" in line) or (
+            line.startswith("Traceback") and i + 1 < len(lines) and "<frozen runpy>" in lines[i + 1])
+        if starts:
+            bars = 0
+            while i < len(lines) and bars < 2:
+                bars += lines[i].startswith("====")
+                i += 1
+            continue
+        if C10D_HOSTNAME_WARNING not in line:
+            out.append(line)
+        i += 1
+    return "\n".join(out).strip()
+
+
+SCORE_LINE = "score: final_score, higher is better; ranked by prequential_bpb, lower is better (prism compare)"
 
 
 def print_summary(console: Console, outcome) -> None:
-    """The short summary table of a scored run."""
+    """The summary of a scored run: the ranked figures first (with their direction), the table,
+    then the manifest and runner-log paths in full, outside the table, at any terminal width."""
     m = outcome.manifest
     s, st, c = m["score"], m["stream"], m["compute"]
+    v = m.get("verdict") or {}
     t = Table(title="PRISM scored run", show_header=False)
-    t.add_column("field", style="bold")
-    t.add_column("value")
+    t.add_column("field", style="bold", no_wrap=True)
+    t.add_column("value", overflow="fold")
     rows = [
-        ("prequential_bpb", f"{s['prequential_bpb']:.6f}"),
+        ("final_score (higher is better)", _fmt(v.get("final_score"), ".6f")),
+        ("prequential_bpb (lower is better)", f"{s['prequential_bpb']:.6f}"),
         ("total bits", f"{s['total_bits']:,.1f}"),
         ("bytes scored", f"{s['bytes']:,}"),
         ("targets scored", f"{s['targets']:,}"),
@@ -38,22 +77,92 @@ def print_summary(console: Console, outcome) -> None:
         ("parameters", f"{m['model']['parameter_count']:,}" if m["model"]["parameter_count"] is not None else "-"),
         ("tokenizer", f"{m['tokenizer']['name']} (V={m['tokenizer']['vocab_size']})"),
         ("device / world size", f"{c['device']} / {c['world_size']}"),
+        ("seed", str(m.get("seed"))),
+        ("profile", _profile(m.get("profile"))),
         ("wall time", f"{m['timing']['wall_s']:.1f} s"),
         ("non-finite batches", str(s["nonfinite_batches"])),
-        *_verdict_rows(m.get("verdict")),
+        *_verdict_rows(v),
         ("isolation", _isolation(m.get("isolation"))),
-        ("run manifest", str(outcome.run_dir / "prism_run_manifest.v2.json")),
     ]
-    for k, v in rows:
-        t.add_row(k, v)
+    for k, val in rows:
+        t.add_row(k, escape(val))
     console.print(t)
+    console.print(SCORE_LINE, highlight=False, soft_wrap=True)
+    console.print(f"run manifest: {outcome.run_dir / 'prism_run_manifest.v2.json'}", markup=False,
+                  highlight=False, soft_wrap=True)
+    console.print(f"loop output (print) and torchrun's log: {outcome.run_dir / 'logs' / 'runner.log'}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
+def _profile(p) -> str:
+    if not p:
+        return "-"
+    left = f", overridden: {', '.join(p['overridden'])}" if p.get("overridden") else ""
+    return f"{p['name']} (sha256 {p['sha256'][:12]}){left}"
+
+
+def summary_dict(outcome) -> dict[str, Any]:
+    """The JSON summary of one run (``prism eval --json``): status, score, verdict figures, the
+    settings that decide comparability, and the run directory, manifest and log paths."""
+    m = outcome.manifest
+    s, v = m.get("score") or {}, m.get("verdict") or {}
+    ho = v.get("heldout") or {}
+    f = m.get("failure")
+    return {
+        "status": m.get("status"), "run_dir": str(outcome.run_dir),
+        "manifest": str(outcome.run_dir / "prism_run_manifest.v2.json"),
+        "log": str(outcome.run_dir / "logs" / "runner.log"),
+        "score_field": "final_score", "score_direction": "higher is better",
+        "rank_field": "prequential_bpb", "rank_direction": "lower is better",
+        "final_score": v.get("final_score"), "prequential_bpb": s.get("prequential_bpb"),
+        "heldout_delta": ho.get("heldout_delta"), "tail_bpb": v.get("tail_bpb"),
+        "heldout_error": v.get("heldout_error"), "flags": v.get("flags", []),
+        "bytes": s.get("bytes"), "tokens": (m.get("stream") or {}).get("tokens"),
+        "stop_reason": (m.get("stream") or {}).get("stop_reason"), "seed": m.get("seed"),
+        "bundle_sha256": (m.get("bundle") or {}).get("sha256"), "profile": m.get("profile"),
+        "budgets": m.get("budgets"), "world_size": (m.get("compute") or {}).get("world_size"),
+        "failure": None if f is None else {"stage": f["stage"], "message": f["message"]},
+    }
+
+
+def seed_stats(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and sample standard deviation (``statistics.stdev``: ddof=1; ``None`` below 2 runs)
+    of ``prequential_bpb`` and ``final_score`` over the scored runs; failed runs are listed."""
+    kept = [r for r in summaries if r.get("status") == "scored"]
+    out: dict[str, Any] = {"n": len(kept), "std": "sample standard deviation (ddof=1)",
+                           "seeds": [r.get("seed") for r in kept],
+                           "failed_seeds": [r.get("seed") for r in summaries if r.get("status") != "scored"],
+                           "run_dirs": [r["run_dir"] for r in kept]}
+    for key in ("prequential_bpb", "final_score"):
+        values = [float(r[key]) for r in kept if isinstance(r.get(key), (int, float))]
+        out[key] = {"values": values, "mean": statistics.mean(values) if values else None,
+                    "std": statistics.stdev(values) if len(values) >= 2 else None}
+    return out
+
+
+def print_seed_stats(console: Console, stats: dict[str, Any]) -> None:
+    """The seed repeats' table: each value, the mean and the sample std (ddof=1) with n."""
+    t = Table(title=f"seed repeats: n = {stats['n']} scored runs (std: sample, ddof=1)")
+    t.add_column("figure", no_wrap=True)
+    t.add_column("mean", no_wrap=True)
+    t.add_column("std (ddof=1)", no_wrap=True)
+    t.add_column("values (seeds " + ", ".join(map(str, stats["seeds"])) + ")", overflow="fold")
+    for key, label in (("final_score", "final_score (higher is better)"),
+                       ("prequential_bpb", "prequential_bpb (lower is better)")):
+        f = stats[key]
+        t.add_row(label, _fmt(f["mean"], ".6f"), _fmt(f["std"], ".6f"), ", ".join(f"{x:.6f}" for x in f["values"]))
+    console.print(t)
+    if stats["failed_seeds"]:
+        console.print(f"failed (not in the statistics): seeds {stats['failed_seeds']}", highlight=False)
+    for d in stats["run_dirs"]:
+        console.print(f"run: {d}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _fmt(x, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _verdict_rows(v) -> list[tuple[str, str]]:
+def _verdict_rows(v: dict[str, Any]) -> list[tuple[str, str]]:
     if not v:
         return []
     ho = v.get("heldout") or {}
@@ -64,7 +173,6 @@ def _verdict_rows(v) -> list[tuple[str, str]]:
         ("heldout_delta", _fmt(ho.get("heldout_delta")) if ho else "-"),
         ("memorization gap", _fmt(v.get("memorization_gap"))),
         ("anti-cheat x memorization", f"{v['anti_cheat_multiplier']:g} x {v['memorization_penalty']:g}"),
-        ("final_score", _fmt(v["final_score"], ".6f")),
     ]
     if v.get("flags"):
         rows.append(("flags", ", ".join(v["flags"])))

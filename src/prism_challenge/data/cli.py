@@ -42,7 +42,7 @@ def add_data_parser(subparsers: Any) -> argparse.ArgumentParser:
         "prepare",
         help="build a partitioned data directory from a source",
         description="Read documents, drop exact duplicate texts, partition them train/val/test "
-        "(95/2.5/2.5 %%) by HMAC-SHA256(secret salt, id), and write zstd parquet shards and a "
+        "(95/2.5/2.5 percent) by HMAC-SHA256(secret salt, id), and write zstd parquet shards and a "
         "hashed MANIFEST.json. The directory is built beside DIR and renamed into place at the end.",
     )
     p.add_argument("--source", nargs="+", required=True, metavar="SOURCE",
@@ -74,7 +74,7 @@ def add_data_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="show a data directory's MANIFEST and verify its shards",
                        description="Print the MANIFEST as tables and verify every shard's sha256.")
-    i.add_argument("dir", type=Path, metavar="DIR")
+    i.add_argument("dir", type=Path, metavar="DIR", help="a data directory (holds MANIFEST.json)")
     i.add_argument("--shards", action="store_true", help="list every shard")
     i.add_argument("--no-verify", action="store_true", help="do not hash the shards")
     i.add_argument("--salt-file", type=Path, metavar="PATH", help="also check this salt against the commitment")
@@ -83,7 +83,7 @@ def add_data_parser(subparsers: Any) -> argparse.ArgumentParser:
     c = sub.add_parser("cache", help="build (or verify) the train split's token cache",
                        description="Tokenize the train split once into the memory-mapped token cache "
                        "that runs read (built on first use otherwise).")
-    c.add_argument("dir", type=Path, metavar="DIR")
+    c.add_argument("dir", type=Path, metavar="DIR", help="a data directory (holds MANIFEST.json)")
     c.add_argument("--tokenizer", default="gpt2", help="reference tokenizer (gpt2 or bytes; default gpt2)")
     c.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: CPUs, at most 8)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")

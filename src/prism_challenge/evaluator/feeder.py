@@ -244,6 +244,9 @@ class Feeder:
         world_size: number of ranks expected.
         vocab_size: ``V``, for the non-finite charge of ``2 * ln V`` nats per target.
         token_budget, step_budget: stream limits (``None``: none).
+        byte_budget: UTF-8 bytes; no batch is cut once the batches cut so far cover at least
+            this many target bytes (the stream stops at the first batch boundary at or past it:
+            stop reason ``byte_budget``). ``None``: none.
         wall_clock_budget: seconds after :meth:`release` after which no new step is served.
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
@@ -262,6 +265,7 @@ class Feeder:
         world_size: int = 1,
         vocab_size: int,
         token_budget: int | None = None,
+        byte_budget: int | None = None,
         step_budget: int | None = None,
         wall_clock_budget: float | None = None,
         on_record: Callable[[StepRecord], None] | None = None,
@@ -274,6 +278,8 @@ class Feeder:
         self.world_size = world_size
         self.vocab_size = vocab_size
         self.step_budget = step_budget
+        self.byte_budget = byte_budget
+        self._bytes_cut = 0  # target bytes of every batch cut so far (the byte budget counts these)
         self.wall_clock_budget = wall_clock_budget
         self.on_record = on_record
         self.max_state_bytes = max_state_bytes
@@ -570,6 +576,9 @@ class Feeder:
         if self.step_budget is not None and step >= self.step_budget:
             r.stop_reason = "step_budget"
             return None
+        if self.byte_budget is not None and self._bytes_cut >= self.byte_budget:
+            r.stop_reason = "byte_budget"
+            return None
         if self.wall_clock_budget is not None and time.monotonic() - self._t0 >= self.wall_clock_budget:
             r.stop_reason = "wall_clock_budget"
             return None
@@ -579,6 +588,7 @@ class Feeder:
             r.stop_reason = "token_budget" if self.assembler.budget_hit else "stream_exhausted"
             return None
         self._consumed[step] = self.assembler.tokens_consumed
+        self._bytes_cut += int(cut.target_bytes.sum())
         return cut
 
     def _on_record(self, st: RankState, header: dict[str, Any]) -> None:

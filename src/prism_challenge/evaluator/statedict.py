@@ -10,6 +10,7 @@ side compares them to catch ranks that drifted apart.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -27,11 +28,23 @@ class StateError(ValueError):
     """A state tensor the trusted side refuses (unknown dtype, size mismatch, duplicate name)."""
 
 
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, however deeply
+    wrapped; ``model`` itself otherwise. Its ``state_dict`` has the names ``build_model``'s module
+    has (an ``OptimizedModule``'s are prefixed ``_orig_mod.``), so the held-out stage can load it."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    while optimized is not None and isinstance(model, optimized):
+        model = model._orig_mod
+    return model
+
+
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` as detached, contiguous CPU tensors (non-tensor entries dropped)."""
+    """``model.state_dict()`` as detached, contiguous CPU tensors (non-tensor entries dropped);
+    of the compiled module when ``model`` is a ``torch.compile`` wrapper (:func:`uncompiled`)."""
     return {
         k: v.detach().to("cpu").contiguous()
-        for k, v in model.state_dict().items()
+        for k, v in uncompiled(model).state_dict().items()
         if isinstance(v, torch.Tensor)
     }
 

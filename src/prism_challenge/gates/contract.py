@@ -5,8 +5,8 @@ At world size > 1 a training loop must:
 * initialize the process group (``init_process_group``) -> else ``prism:ddp-init``;
 * wrap the model in ``DistributedDataParallel``, ``FullyShardedDataParallel`` or
   ``fully_shard`` -> else ``prism:ddp-wrap``;
-* shard data per rank: reference ``DistributedSampler``, or index rank-strided
-  (``xs[rank::world_size]``, ``range(rank, n, world_size)``) -> else ``prism:ddp-shard``;
+* (not required: the harness shards the stream itself, each rank gets its slice of every
+  global batch from ``ctx.iter_train_batches``, so no sampler is needed and none is asked for);
 * guard every write (``torch.save`` and friends) with a rank-0 test: the write sits under
   ``if <rank> == 0`` / ``if not <rank>`` (an ``and`` with other tests is fine), in the ``else``
   of ``if <rank> != 0``, after an early ``if <rank> != 0: return``, or in a function every call
@@ -94,7 +94,7 @@ def _all_bindings(info: ModuleInfo):
 
 class _Facts:
     def __init__(self) -> None:
-        self.init = self.wrap = self.shard = self.destroy = False
+        self.init = self.wrap = self.destroy = False
         self.writes: list[tuple[ModuleInfo, ast.Call, str]] = []
         self.launch: list[Finding] = []
 
@@ -132,9 +132,8 @@ def check_contract(
     if not facts.init:
         missing("prism:ddp-init", "never calls init_process_group (needed at world size > 1)")
     if not facts.wrap:
-        missing("prism:ddp-wrap", "never wraps the model in DistributedDataParallel or FSDP")
-    if not facts.shard:
-        missing("prism:ddp-shard", "never shards data per rank (DistributedSampler or xs[rank::world_size])")
+        missing("prism:ddp-wrap", "never wraps the model in DistributedDataParallel or FSDP (at world size > 1 "
+                                  "the ranks' states must stay identical)")
     if not facts.destroy:
         missing("prism:ddp-destroy", "never calls destroy_process_group")
     guard_cache: dict[int, bool] = {}
@@ -168,16 +167,7 @@ def _collect(index: BundleIndex, info: ModuleInfo, facts: _Facts) -> None:
             facts.init |= "init_process_group" in names
             facts.destroy |= "destroy_process_group" in names
             facts.wrap |= any(w in names for w in _WRAPPERS)
-            facts.shard |= "DistributedSampler" in names
-        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
-            sl = node.slice
-            if _mentions(sl.lower, _RANK_NAMES) and _mentions(sl.step, _WORLD_NAMES):
-                facts.shard = True
         if isinstance(node, ast.Call):
-            args = node.args
-            for i, a in enumerate(args):
-                if _mentions(a, _RANK_NAMES) and any(_mentions(b, _WORLD_NAMES) for b in args[i + 1 :]):
-                    facts.shard = True
             qs = index.canonical(index.resolve(node.func, info.scope_for(node)))
             for q in sorted(qs & TORCH_SAVES):
                 facts.writes.append((info, node, q))

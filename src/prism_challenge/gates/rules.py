@@ -59,7 +59,6 @@ FINDING_RULES: dict[str, str] = {
     # multi-GPU contract
     "prism:ddp-init": "training.py never initializes the process group",
     "prism:ddp-wrap": "training.py never wraps the model in DDP or FSDP",
-    "prism:ddp-shard": "training.py never shards data per rank",
     "prism:ddp-rank0-write": "a write (torch.save) is not guarded by a rank-0 test",
     "prism:ddp-destroy": "training.py never destroys the process group",
     "prism:launch-limit": "more than 8 processes, several nodes, or a non-local rendezvous",
@@ -78,7 +77,6 @@ CONTRACT_RULES = frozenset(
     {
         "prism:ddp-init",
         "prism:ddp-wrap",
-        "prism:ddp-shard",
         "prism:ddp-rank0-write",
         "prism:ddp-destroy",
         "prism:launch-limit",

@@ -1,0 +1,281 @@
+"""``prism eval``: the command line of a scored run (profiles, ``--json``, ``--quiet``, seeds).
+
+Every setting that changes a score starts from a challenge profile (``--profile``, default
+``local``; :mod:`prism_challenge.profiles`); an option given on the command line overrides it and
+the manifest records the field. ``--seeds A,B,C`` or ``--repeats N`` runs once per seed and
+reports the mean and the sample standard deviation (ddof=1) of the kept runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
+from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
+
+EXIT_SCORED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MAX_THREADS = 256  # CPU threads per rank (the sandbox allows 1024 tasks in all)
+MAX_SEED = 2**63 - 1
+# EvalOptions fields a profile sets; the command line's value (when given) overrides it
+PROFILE_FIELDS = ("seq_len", "nproc", "device", "seed", "threads", "max_parameters", "token_budget",
+                  "byte_budget", "step_budget", "wall_clock_budget", "heldout_bytes")
+
+
+def _type(kind: type, low: float, high: float | None = None):
+    """An argparse type: a ``kind`` value in ``low..high``, or a positive one when ``low`` is
+    ``None`` (finite: inf would reach the manifest as non-JSON ``Infinity``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if low is None:
+            if not (value > 0 and math.isfinite(value)):
+                raise argparse.ArgumentTypeError(f"{value} must be a positive finite number")
+        elif not low <= value <= (high if high is not None else value):
+            rng = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{value} must be {rng}")
+        return value
+
+    return parse
+
+
+def _seed_list(text: str) -> list[int]:
+    parse = _type(int, 0, MAX_SEED)
+    seeds = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of distinct seeds, e.g. 1234,1,2")
+    return seeds
+
+
+def add_eval_parser(sub: Any) -> None:
+    """Register ``prism eval`` on an argparse subparsers object."""
+    local = load_profile(DEFAULT_PROFILE).options
+    d = lambda key: f"(profile {DEFAULT_PROFILE}: {local[key]})"  # noqa: E731 - the help's default
+    p = sub.add_parser(
+        "eval",
+        help="re-execute a bundle from a forced random init and score it by prequential bits-per-byte",
+        description="Run the static gates, then re-execute the bundle's training loop under torchrun "
+        "on the locked train stream and write prism_run_manifest.v2.json in the run directory. "
+        "Settings start from a challenge profile; an option given here overrides it (recorded in the "
+        "manifest). The score is final_score (higher is better); runs rank by prequential_bpb (lower "
+        "is better) as prism compare shows.",
+    )
+    p.add_argument("bundle", help="bundle directory (architecture.py + training.py) or .zip")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                   help=f"challenge profile: {', '.join(profile_names())} or a .toml file (default {DEFAULT_PROFILE})")
+    p.add_argument("--data", dest="data_dir", metavar="DIR",
+                   help="prepared data directory (default: the profile's; local: the embedded corpus)")
+    p.add_argument("--out", dest="out_dir", metavar="DIR",
+                   help="run directory (default ./prism-runs/<time>-<bundle>-<sha>; with seeds, DIR/seed-<S>)")
+    p.add_argument("--seed", type=_type(int, 0, MAX_SEED), help=f"forced seed, 0..2^63-1 {d('seed')}")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seeds", type=_seed_list, metavar="S1,S2,...",
+                       help="run once per seed; print mean and sample std (ddof=1) of bpb and final_score")
+    seeds.add_argument("--repeats", type=_type(int, 2, 100), metavar="N",
+                       help="run N times, with seeds SEED, SEED+1, ... (SEED: --seed or the profile's); as --seeds")
+    p.add_argument("--seq-len", type=_type(int, 2, MAX_BATCH_TOKENS), metavar="T",
+                   help=f"ctx.max_seq_len, 2..{MAX_BATCH_TOKENS} {d('seq_len')}")
+    p.add_argument("--token-budget", type=_type(int, 1), metavar="N",
+                   help=f"stop after this many stream tokens; replaces the profile's byte budget {d('token_budget')}")
+    p.add_argument("--byte-budget", type=_type(int, 1), metavar="N",
+                   help="stop at the first batch boundary at or past N UTF-8 bytes of text (the same text "
+                        "for every tokenizer); replaces the profile's token budget")
+    p.add_argument("--step-budget", type=_type(int, 1), metavar="N", help="stop after this many batches")
+    p.add_argument("--wall-clock-budget", type=_type(float, None), metavar="SECONDS",
+                   help="stop the stream this many seconds after the gates' release (graceful)")
+    p.add_argument("--no-budget", action="store_true",
+                   help="drop the profile's budgets (those not given here): stream the whole train split")
+    p.add_argument("--nproc", type=int, metavar="N", help=f"processes on this node, 1..8 {d('nproc')}")
+    p.add_argument("--nnodes", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help=f"where the ranks compute; auto: cuda when available {d('device')}")
+    p.add_argument("--threads", type=_type(int, 1, MAX_THREADS), metavar="N",
+                   help=f"CPU threads per rank, 1..{MAX_THREADS}, fixed for reproducibility {d('threads')}")
+    p.add_argument("--max-parameters", type=_type(int, 1), metavar="N",
+                   help=f"parameter cap: unique parameter and buffer elements {d('max_parameters')}")
+    p.add_argument("--heldout-bytes", type=_type(int, 0, 1 << 40), metavar="BYTES",
+                   help=f"UTF-8 bytes of the val split for the held-out delta; 0 disables {d('heldout_bytes')}")
+    _add_run_options(p)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    from prism_challenge import evaluate as ev
+
+    p.add_argument("--rank-timeout", type=_type(float, None), default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
+                   help="fail when a rank is silent this long while another is ahead (default %(default)s)")
+    p.add_argument("--idle-timeout", type=_type(float, None), default=ev.DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+                   help="one rank: stop and score what was scored when the loop takes no batch for this long; "
+                        "any number of ranks: fail when no batch was scored this long after the start "
+                        "(default %(default)s)")
+    p.add_argument("--isolation", choices=["strict", "none"], default="strict",
+                   help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (summary and manifest path); human output goes to stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no table: one result line (or only the JSON with --json)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.set_defaults(func=cmd_eval)
+
+
+def _options(args: argparse.Namespace, profile, seed: int | None, out_dir: str | None):
+    from prism_challenge.evaluate import EvalOptions
+
+    given = {k: getattr(args, k) for k in PROFILE_FIELDS}
+    given["seed"] = seed
+    given["data_dir"] = args.data_dir
+    settings, overridden = resolve(profile, given)
+    sizes = ("token_budget", "byte_budget")  # one size budget on the command line replaces the profile's other
+    for mine, other in (sizes, sizes[::-1]):
+        if given[mine] is not None and given[other] is None and settings[other] is not None:
+            settings[other] = None
+            overridden.append(other)
+    if args.no_budget:
+        for k in ("token_budget", "byte_budget", "step_budget", "wall_clock_budget"):
+            if settings[k] is not None and given[k] is None:
+                settings[k] = None
+                overridden.append(k)
+        overridden.sort()
+    return EvalOptions(bundle=args.bundle, out_dir=out_dir, nnodes=args.nnodes, rank_timeout=args.rank_timeout,
+                       idle_timeout=args.idle_timeout, isolation=args.isolation, profile=profile,
+                       profile_overridden=overridden, **settings)
+
+
+def _seeds(args: argparse.Namespace, profile) -> list[int] | None:
+    if args.seeds:
+        return args.seeds
+    if args.repeats:
+        base = args.seed if args.seed is not None else profile.options["seed"]
+        return [base + i for i in range(args.repeats)]
+    return None
+
+
+def _seed_out(args: argparse.Namespace, seed: int) -> str:
+    if args.out_dir:
+        return str(Path(args.out_dir) / f"seed-{seed}")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = Path(args.bundle.rstrip("/")).name.removesuffix(".zip")
+    args.out_dir = str(Path("prism-runs") / f"{stamp}-{name}-seeds")
+    return str(Path(args.out_dir) / f"seed-{seed}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run ``prism eval`` for parsed ``args``; returns the exit code (0 scored, 1 failed, 2 usage)."""
+    from rich.console import Console
+
+    from prism_challenge.report import print_seed_stats, seed_stats
+
+    human = Console(stderr=True) if args.json else Console()
+    if args.seeds and args.seed is not None:
+        return _usage(args, human, "--seed and --seeds: give the seeds in --seeds only")
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        return _usage(args, human, str(exc))
+    seeds = _seeds(args, profile)
+    if seeds is None:
+        code, summary = _run_one(args, _options(args, profile, args.seed, args.out_dir), human)
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        return code
+    results = []
+    for i, seed in enumerate(seeds, 1):
+        _err().print(f"prism eval: run {i} of {len(seeds)}, seed {seed}", highlight=False)
+        code, summary = _run_one(args, _options(args, profile, seed, _seed_out(args, seed)), human)
+        results.append(summary)
+        if code == EXIT_USAGE:
+            break
+    stats = seed_stats(results)
+    if args.json:
+        print(json.dumps({"runs": results, "aggregate": stats}, indent=2))
+    else:
+        print_seed_stats(human, stats)
+    return max(r["exit_code"] for r in results)
+
+
+def _usage(args: argparse.Namespace, console, message: str) -> int:
+    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure
+    from prism_challenge.report import print_failure
+
+    failure = EvalFailure(USAGE_STAGE, message)
+    print_failure(_err(), failure)
+    if args.json:
+        print(json.dumps({"status": "failed", "exit_code": EXIT_USAGE, "run_dir": None, "manifest": None,
+                          "failure": {"stage": USAGE_STAGE, "message": message}}, indent=2))
+    return EXIT_USAGE
+
+
+def _err():
+    """The human console: stderr."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]]:
+    """One scored run with the progress bar; returns the exit code and the JSON summary."""
+    from prism_challenge import evaluate as ev
+    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure, evaluate
+    from prism_challenge.report import print_failure, print_summary, summary_dict
+
+    err = _err()
+    if opts.isolation == "none":
+        err.print(f"[bold red on yellow] WARNING [/] [bold]{ev.NO_ISOLATION_WARNING}[/]")
+    progress, on_start, on_record = _progress(err, disable=args.no_progress or args.quiet)
+    try:
+        outcome = evaluate(opts, on_start=on_start, on_record=on_record)
+    except EvalFailure as exc:  # before a run directory exists: a bad command line exits 2
+        progress.stop()
+        print_failure(err, exc)
+        code = EXIT_USAGE if exc.stage == USAGE_STAGE else EXIT_FAILED
+        return code, {"status": "failed", "exit_code": code, "seed": opts.seed, "run_dir": None, "manifest": None,
+                      "failure": {"stage": exc.stage, "message": exc.message}}
+    finally:
+        progress.stop()
+    summary = summary_dict(outcome)
+    summary["exit_code"] = code = EXIT_FAILED if outcome.failure is not None else EXIT_SCORED
+    if outcome.failure is not None:
+        print_failure(err, outcome.failure, outcome.run_dir)
+    elif args.quiet:
+        if not args.json:
+            print(f"seed {opts.seed}  final_score {summary['final_score']:.6f}  prequential_bpb "
+                  f"{summary['prequential_bpb']:.6f}  manifest {summary['manifest']}")
+    else:
+        print_summary(human, outcome)
+    return code, summary
+
+
+def _progress(console, disable: bool):
+    """The live progress bar and the two callbacks :func:`~prism_challenge.evaluate.evaluate` takes."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]prequential"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
+        TextColumn("bpb [cyan]{task.fields[bpb]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=disable,
+        transient=False,
+        refresh_per_second=2,  # the parent shares the cores with the ranks
+    )
+    state: dict[str, Any] = {}
+
+    def on_start(info: dict[str, Any]) -> None:
+        state["unit"] = info["unit"]
+        state["task"] = progress.add_task("run", total=info["total"], unit=info["unit"], bpb="-")
+        progress.start()
+
+    def on_record(rec: Any, running: dict[str, float]) -> None:
+        done = rec.targets if state["unit"] == "tokens" else rec.bytes
+        bpb = running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else float("nan")
+        progress.update(state["task"], advance=done, bpb=f"{bpb:.4f}")
+
+    return progress, on_start, on_record

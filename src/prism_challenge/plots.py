@@ -1,0 +1,141 @@
+"""Learning-curve plots of scored runs: bits per byte against bytes scored (matplotlib, Agg).
+
+Reusable by a service page: :func:`run_curve` turns a run manifest into a :class:`RunCurve`,
+:func:`learning_curve_figure` draws any number of them on one :class:`~matplotlib.figure.Figure`
+and :func:`figure_bytes` renders it as PNG or SVG bytes. Figures are built with
+``matplotlib.figure.Figure`` and rendered by the Agg canvas, never through ``pyplot``: no global
+backend is chosen and nothing is shown.
+
+For each run two lines share one colour: the per-batch bpb (thin) and the cumulative
+prequential bpb (thick), whose last point is the run's ``prequential_bpb``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+LN2 = math.log(2.0)
+FORMATS = ("png", "svg")
+
+
+class PlotError(ValueError):
+    """A curve that cannot be drawn, or an output format other than PNG or SVG."""
+
+
+@dataclass(frozen=True)
+class RunCurve:
+    """One run's learning curve.
+
+    Attributes:
+        label: the legend's name of the run.
+        cumulative_bytes: bytes scored up to and including each batch (x axis).
+        batch_bpb: bits per byte of each batch alone (``nan`` for a batch of zero bytes).
+        cumulative_bpb: prequential bpb of the stream up to each batch:
+            ``sum(nats[:i+1]) / ln 2 / cumulative_bytes[i]``.
+    """
+
+    label: str
+    cumulative_bytes: list[int]
+    batch_bpb: list[float]
+    cumulative_bpb: list[float]
+
+
+def run_curve(manifest: Mapping[str, Any], label: str) -> RunCurve:
+    """The curve of a run manifest (its ``curve``: nats per target, cumulative targets and bytes).
+
+    A batch's nats are ``nats_per_target * targets`` (targets: the difference of the cumulative
+    counts), its bpb ``nats / ln 2 / bytes``.
+
+    Raises:
+        PlotError: the manifest has no curve, or its lists differ in length.
+    """
+    c = manifest.get("curve") or {}
+    per, cum_t, cum_b = c.get("nats_per_target") or [], c.get("cumulative_targets") or [], c.get("cumulative_bytes") or []
+    if not per or not len(per) == len(cum_t) == len(cum_b):
+        raise PlotError(f"{label}: the manifest has no learning curve (no batch was scored)")
+    batch, cumulative = [], []
+    nats_total, pt, pb = 0.0, 0, 0
+    for npt, t, b in zip(per, cum_t, cum_b):
+        nats = float(npt) * (t - pt)
+        nats_total += nats
+        batch.append(nats / LN2 / (b - pb) if b > pb else math.nan)
+        cumulative.append(nats_total / LN2 / b if b else math.nan)
+        pt, pb = t, b
+    return RunCurve(label, [int(b) for b in cum_b], batch, cumulative)
+
+
+def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learning curves",
+                          colour_by: Sequence[str] | None = None) -> Figure:
+    """Bits per byte against bytes scored for every run: per-batch (thin) and cumulative (thick).
+
+    Args:
+        curves: the runs.
+        title: the axes' title.
+        colour_by: one key per curve; curves with one key share a colour (e.g. the seed repeats
+            of one variant), each seed with its own dash pattern. Default: a colour per curve.
+
+    Raises:
+        PlotError: no curves, or ``colour_by`` of another length.
+    """
+    if not curves:
+        raise PlotError("no run to plot")
+    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(len(curves))]
+    if len(keys) != len(curves):
+        raise PlotError(f"colour_by has {len(keys)} keys for {len(curves)} curves")
+    order = list(dict.fromkeys(keys))
+    fig = Figure(figsize=(9, 5.6 + 0.22 * ((len(curves) + 3) // 2)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours, seen = [], {}
+    styles = ("-", "--", ":", "-.")
+    for k in keys:
+        seen[k] = seen.get(k, -1) + 1
+        colours.append((f"C{order.index(k) % 10}", styles[seen[k] % len(styles)]))
+    for curve, (colour, style) in zip(curves, colours):
+        ax.plot(curve.cumulative_bytes, curve.batch_bpb, color=colour, linewidth=0.8, alpha=0.35)
+        ax.plot(curve.cumulative_bytes, curve.cumulative_bpb, color=colour, linewidth=2.2, linestyle=style,
+                label=f"{curve.label}  ({curve.cumulative_bpb[-1]:.4f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes scored (UTF-8, log scale)")
+    ax.set_ylabel("bits per byte (lower is better)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.plot([], [], color="0.4", linewidth=2.2, label="thick: cumulative prequential bpb")
+    ax.plot([], [], color="0.4", linewidth=0.8, alpha=0.5, label="thin: per-batch bpb")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
+    return fig
+
+
+def figure_bytes(fig: Figure, fmt: str) -> bytes:
+    """``fig`` rendered as ``png`` or ``svg`` bytes.
+
+    Raises:
+        PlotError: another format.
+    """
+    if fmt not in FORMATS:
+        raise PlotError(f"plot format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt)
+    return buf.getvalue()
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` to ``path``, PNG or SVG by its suffix.
+
+    Raises:
+        PlotError: a suffix other than ``.png`` or ``.svg``.
+    """
+    p = Path(path)
+    fmt = p.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise PlotError(f"--plot {p}: the file name must end in .png or .svg")
+    p.write_bytes(figure_bytes(fig, fmt))
+    return p
