@@ -49,29 +49,11 @@ class BindingChecks:
                 self.add(RULE, node, f"binds '{name}', which the interpreter reads for the module's name lookup "
                                      "and imports")
 
-    def _on_alias(self, node: ast.alias) -> None:
+    def _on_alias(self, node: ast.AST) -> None:
         self._bind_check(node, bound_names(node))
 
-    def _on_ExceptHandler(self, node: ast.ExceptHandler) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_MatchAs(self, node: ast.MatchAs) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_MatchStar(self, node: ast.MatchStar) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_MatchMapping(self, node: ast.MatchMapping) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_Global(self, node: ast.Global) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_Nonlocal(self, node: ast.Nonlocal) -> None:
-        self._bind_check(node, bound_names(node))
-
-    def _on_arg(self, node: ast.arg) -> None:
-        self._bind_check(node, bound_names(node))
+    _on_ExceptHandler = _on_MatchAs = _on_MatchStar = _on_MatchMapping = _on_alias
+    _on_Global = _on_Nonlocal = _on_arg = _on_alias
 
     def module_level_def(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
         """A dunder ``def``/``class`` outside a class body (``def __getattr__`` at module level
