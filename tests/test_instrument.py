@@ -220,3 +220,42 @@ def test_non_finite_logits_are_charged_not_called_non_causal():
     tokens = torch.randint(0, 257, (2, 16))
     nats = score_batch(Diverged(), tokens, 257, probe=(5, 3, 1))  # probed: no "not causal" error
     assert math.isnan(nats) and charge(nats, 30, 257) == (2 * math.log(257) * 30, False)
+
+
+class _RewritesItsTargets(torch.nn.Module):
+    """Writes the token it predicts into the harness's tensor before the targets are read (red
+    team: 2.50 bpb against 7.71 honest, no flag)."""
+
+    def __init__(self, v: int):
+        super().__init__()
+        self.v = v
+        self.p = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, tokens):
+        tokens[:, 1:] = 0
+        out = torch.zeros(tokens.shape[0], tokens.shape[1], self.v)
+        out[:, :, 0] = 60.0
+        return out
+
+
+def test_a_model_that_writes_its_input_is_scored_on_the_true_targets():
+    v = 7
+    tokens = torch.tensor([[1, 2, 3, 0, 4], [5, 6, 0, 1, 2]], dtype=torch.int64)
+    truth = tokens.clone()
+    nats = score_batch(_RewritesItsTargets(v), tokens, v, probe=(2, 1))
+    lse = math.log(math.exp(60.0) + (v - 1))  # log-sum-exp of one logit of 60 and v - 1 zeros
+    expected = sum(lse - (60.0 if int(t) == 0 else 0.0) for t in truth[:, 1:].flatten())
+    assert nats == pytest.approx(expected, rel=1e-9)
+    assert nats > 100  # 6 of the 8 targets are not 0: about 60 nats each
+
+
+def test_the_heldout_rows_are_copied_before_the_model_sees_them():
+    import numpy as np
+
+    from prism_challenge.heldout import score_rows
+
+    rows = np.array([[1, 2, 3, 0, 4], [5, 6, 0, 1, 2]], dtype=np.int64)
+    kept = rows.copy()
+    got = score_rows(_RewritesItsTargets(7), [rows], 7, "cpu")
+    assert np.array_equal(rows, kept)  # the trusted side's rows: untouched
+    assert got["nats"] == pytest.approx(score_batch(_RewritesItsTargets(7), torch.from_numpy(kept.copy()), 7), rel=1e-12)

@@ -141,7 +141,7 @@ def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, devic
 
     parts, targets, nonfinite = [], 0, 0
     for i, arr in enumerate(batches):
-        tokens = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        tokens = torch.tensor(arr, dtype=torch.int64)  # a copy: the model may write to its input
         if device != "cpu":
             tokens = tokens.to(device)
         n_targets = int(arr.shape[0] * (arr.shape[1] - 1))
@@ -165,7 +165,7 @@ def _logprobs_at(model: Any, row: np.ndarray, pos: int, vocab_size: int, device:
 
     from prism_challenge.evaluator.instrument import check_logits
 
-    tokens = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64))
+    tokens = torch.tensor(row, dtype=torch.int64)  # a copy: the model may write to its input
     if device != "cpu":
         tokens = tokens.to(device)
     model.eval()

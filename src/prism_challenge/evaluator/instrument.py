@@ -107,17 +107,21 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, vocab_size: int,
     model.eval()
     try:
         with torch.no_grad():
+            # the trusted copy: the model is handed ``tokens`` and may write to it (a red team
+            # rewrote its own targets in place), so targets and probes come from this copy
+            original = tokens.clone()
             with census if census is not None else contextlib.nullcontext():
                 out = model(tokens)
             logits = check_logits(out, tokens.shape[0], tokens.shape[1], vocab_size)
             if logits.shape[2] != vocab_size:
                 logits = logits[..., :vocab_size]
-            if probe is not None:
-                check_causal(model, tokens, logits, vocab_size, *probe)
+            # scored before any more submitted code runs (the probe's forward could change the logits)
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
-            picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1))  # [B, T-1, 1]
-            total = -picked.double().sum()
-            return float(total.item())
+            picked = logp.gather(-1, original[:, 1:].unsqueeze(-1))  # [B, T-1, 1]
+            total = float((-picked.double().sum()).item())
+            if probe is not None:
+                check_causal(model, original, logits, vocab_size, *probe)
+            return total
     finally:
         for m, mode in modes:
             m.training = mode
@@ -149,10 +153,10 @@ def check_causal(model: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, v
         raise ValueError(f"bad probe k={k}, shift={shift}, row={row} for B={b}, T={t}, V={vocab_size}")
     changed = tokens[row : row + 1].clone()
     changed[:, k:] = (changed[:, k:] + shift) % vocab_size
-    devices = [tokens.device] if tokens.device.type == "cuda" else []
+    ref = logits[row : row + 1, :k].float().clone()  # copied before the model runs again: it could keep
+    devices = [tokens.device] if tokens.device.type == "cuda" else []  # and change its earlier output
     with torch.random.fork_rng(devices=devices):  # the probe leaves the RNG streams as they were
         other = check_logits(model(changed), 1, t, vocab_size)[:, :k, :vocab_size].float()
-    ref = logits[row : row + 1, :k].float()
     if not bool(torch.isfinite(ref).all()):  # non-finite already: the batch is charged 2 ln V per target
         return
     diff = float((other - ref).abs().max())
