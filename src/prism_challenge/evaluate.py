@@ -37,7 +37,14 @@ from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
-from prism_challenge.evaluator.jail import Jail, default_memory_limit, diagnose
+from prism_challenge.evaluator.jail import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_OPEN_FILES,
+    DEFAULT_MAX_PROCESSES,
+    Jail,
+    default_memory_limit,
+    diagnose,
+)
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
@@ -65,9 +72,6 @@ DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is 
 DEFAULT_IDLE_TIMEOUT_S = 1800.0  # world size 1: silent this long after a batch -> stopped, scored
 STATE_NAME = "trained_state.pt"
 DEFAULT_MEMORY_LIMIT = default_memory_limit()  # per process on CPU: 32 GiB, never above the host's memory
-DEFAULT_MAX_PROCESSES = 1024  # tasks (processes + threads) of the sandbox uid
-DEFAULT_MAX_FILE_BYTES = 4 << 30
-DEFAULT_MAX_OPEN_FILES = 4096
 DEFAULT_ARTIFACTS_QUOTA = 4 << 30
 DEFAULT_HELDOUT_BYTES = 200_000
 DEFAULT_HELDOUT_TIMEOUT_S = 600.0

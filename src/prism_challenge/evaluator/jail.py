@@ -47,6 +47,12 @@ from prism_challenge.evaluator.launcher import compute_env, sandbox_env
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
+DEFAULT_MAX_PROCESSES = 1024
+"""Tasks (processes and threads) of the sandbox uid."""
+DEFAULT_MAX_FILE_BYTES = 4 << 30
+"""Largest file a jailed process may write, bytes (inductor's precompiled headers are large)."""
+DEFAULT_MAX_OPEN_FILES = 4096
+"""Open files per jailed process."""
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -560,10 +560,18 @@ def check_jail(root: Path, isolation: str = "strict", threads: int = 2, *,
     """
     from prism_challenge.data.builtin import default_cache_root
     from prism_challenge.evaluator.isolation import Limits
-    from prism_challenge.evaluator.jail import Jail, default_memory_limit
+    from prism_challenge.evaluator.jail import (
+        DEFAULT_MAX_FILE_BYTES,
+        DEFAULT_MAX_OPEN_FILES,
+        DEFAULT_MAX_PROCESSES,
+        Jail,
+        default_memory_limit,
+    )
 
-    limits = Limits(address_space_bytes=min(memory_bytes, default_memory_limit()), max_open_files=1024,
-                    max_file_bytes=64 << 20, max_processes=256 if os.geteuid() == 0 and isolation == "strict" else None)
+    # the run's limits (RLIMIT_NPROC only for the sandbox uid of a root run, as in prism eval)
+    tasks = DEFAULT_MAX_PROCESSES if os.geteuid() == 0 and isolation == "strict" else None
+    limits = Limits(address_space_bytes=min(memory_bytes, default_memory_limit()), max_open_files=DEFAULT_MAX_OPEN_FILES,
+                    max_file_bytes=DEFAULT_MAX_FILE_BYTES, max_processes=tasks)
     return Jail.open(isolation, bundle_dir=root, hidden=[str(default_cache_root())], limits=limits, threads=threads)
 
 
