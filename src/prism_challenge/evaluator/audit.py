@@ -398,6 +398,12 @@ class _Policy:
 
     def rule(self, event: str, args: tuple, frame: Any) -> str | None:
         """The rule ``event`` breaks, or ``None``."""
+        if event in BUNDLE_CALLER_EVENTS or event in SET_ATTR_EVENTS:  # the frequent ones: no stack walk
+            if frame is None or self.kind(frame.f_code.co_filename) not in ("bundle", "compiled", "other"):
+                return None  # only when submitted or generated code raised it (not importlib, not torch)
+            if event in SET_ATTR_EVENTS:
+                return None if self.own_class(args[0] if args else None) else "no-monkeypatch"
+            return "no-introspection"
         kind, _ = self.origin(frame)
         compiling = self.compiling(frame) if kind != "bundle" else False
         if event == "open":
@@ -435,11 +441,7 @@ class _Policy:
                 if why is not None:
                     return why
             return None
-        if frame is None or self.kind(frame.f_code.co_filename) not in ("bundle", "compiled", "other"):
-            return None  # the rest only when submitted or generated code raised it (not importlib, not torch)
-        if event in SET_ATTR_EVENTS:
-            return None if self.own_class(args[0] if args else None) else "no-monkeypatch"
-        return "no-introspection" if event in BUNDLE_CALLER_EVENTS else None
+        return None
 
     def compiler_process(self, args: tuple) -> bool:
         """Whether a ``subprocess.Popen`` event starts what inductor starts: its C++ compiler
