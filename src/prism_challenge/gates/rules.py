@@ -56,6 +56,8 @@ FINDING_RULES: dict[str, str] = {
     "prism:ctx-forge": "building a context or an artifacts_dir of one's own",
     "prism:not-allowlisted": "a path on an allowed module, or an attribute name, that is not on gates/allowlist.toml",
     "prism:too-complex": "a file too deeply nested (or too large) for the gate to parse or check",
+    "prism:nondeterministic": "the wall clock or a profiler (time, datetime, timeit, torch.profiler, torch.cuda.Event)",
+    "prism:set-order": "iterating a set or frozenset (its order is its elements' hashes: memory addresses for tensors)",
     # multi-GPU contract
     "prism:ddp-init": "training.py never initializes the process group",
     "prism:ddp-wrap": "training.py never wraps the model in DDP or FSDP",

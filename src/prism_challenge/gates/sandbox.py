@@ -78,6 +78,7 @@ from prism_challenge.gates.allowcheck import AllowlistChecks
 from prism_challenge.gates.bindings import BindingChecks
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
+from prism_challenge.gates.reproducible import CLOCK_MODULES, NONDETERMINISTIC, SetOrderChecks
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
 
@@ -167,6 +168,7 @@ BLOCKED_MODULES: dict[str, str] = {
         "torch.monitor",
     ),
     **_group(INTER, "pdb bdb pydoc readline rlcompleter getpass tkinter turtle curses cmd"),
+    **_group(NONDETERMINISTIC, CLOCK_MODULES),
 }
 """Module (or module prefix) -> the rule its import or use breaks."""
 
@@ -533,7 +535,7 @@ def origin_rule(qualname: str) -> tuple[str, str] | None:
     return None
 
 
-class Checker(AllowlistChecks, BindingChecks):
+class Checker(AllowlistChecks, BindingChecks, SetOrderChecks):
     """Runs every sandbox rule over one module of an indexed bundle.
 
     Args:
@@ -583,6 +585,7 @@ class Checker(AllowlistChecks, BindingChecks):
             handler = getattr(self, "_on_" + type(node).__name__, None)
             if handler is not None:
                 handler(node)
+            self.order_check(node)
         self.drop_redundant()
         return self.findings
 

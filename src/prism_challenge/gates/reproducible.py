@@ -1,0 +1,145 @@
+"""Rules for a run that is the same every time: no wall clock, no profiler, no set order.
+
+Two runs of one bundle on one seed must give the same score to the last bit (issue 15: two runs
+of a bundle differed, 3.3719 vs 3.3722 bpb, and 3.324 vs 3.309). Two sources the gate can see:
+
+* **Timing.** The wall clock (``time``, ``datetime``, ``timeit``) and the profilers
+  (``torch.profiler``, ``torch.autograd.profiler``, ``torch.cuda.Event``) give a different
+  value on every run; code that branches on them (a schedule by elapsed seconds, a step skipped
+  when it was slow) trains differently. Refused as ``prism:nondeterministic``.
+* **Set order.** A ``set`` or ``frozenset`` is iterated in the order of its elements' hashes.
+  A tensor's, a parameter's or a module's hash is its memory address, which differs between
+  runs, so ``AdamW({*model.parameters()})`` or ``for p in set(params)`` builds the optimizer's
+  groups, or sums the gradients, in a different order each time. Refused as
+  ``prism:set-order``.
+
+The gate cannot see what a set holds, so it refuses every order-dependent use of a set-valued
+expression except a literal set of constants (a ``str``'s hash is fixed by the harness's
+``PYTHONHASHSEED=0``, an ``int``'s is its value). Order-free uses stay allowed: ``len``,
+membership, ``sorted(...)``, the set algebra (``|``, ``&``, ``-``, ``^`` and the methods), and
+building another set. Order-dependent uses are refused: a ``for`` or a comprehension over it,
+unpacking it (``*s``), ``s.pop()``, ``yield from s``, and passing it to any other call (``list``,
+``tuple``, ``sum``, ``enumerate``, an optimizer, a function of the bundle's own).
+
+Set-valued expressions: ``set(...)``, ``frozenset(...)``, a set display or comprehension, the
+set algebra on one of them (including ``dict.keys() - s``), a name whose binding in its scope is
+one of them, and an attribute whose name is assigned one anywhere in the module
+(``self.groups = set()``). A set that leaves through a return value or a container is not
+followed: the rule catches the direct idiom, not a program built to hide one.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from prism_challenge.gates.astindex import lookup
+
+SET_ORDER = "prism:set-order"
+NONDETERMINISTIC = "prism:nondeterministic"
+
+CLOCK_MODULES = "time datetime timeit torch.profiler torch.autograd.profiler " \
+    "torch.autograd.profiler_util torch.cuda.Event torch.Event torch.cpu.Event torch.xpu.Event"
+"""Wall-clock and profiler modules and classes (space-separated), refused as
+:data:`NONDETERMINISTIC`."""
+
+ORDER_FREE_BUILTINS = frozenset({"builtins.len", "builtins.sorted", "builtins.set", "builtins.frozenset",
+                                 "builtins.bool", "builtins.isinstance"})
+"""Builtins that may take a set: their result does not depend on the iteration order."""
+
+SET_RESULT_METHODS = frozenset({"union", "intersection", "difference", "symmetric_difference", "copy"})
+"""Set methods whose result is again a set."""
+
+ORDER_FREE_METHODS = SET_RESULT_METHODS | frozenset(
+    {"add", "discard", "remove", "update", "intersection_update", "difference_update",
+     "symmetric_difference_update", "issubset", "issuperset", "isdisjoint", "clear"})
+"""Set methods (called on a set) that may take a set argument and do not depend on order."""
+
+SET_OPS = (ast.BitOr, ast.BitAnd, ast.Sub, ast.BitXor)
+MAX_DEPTH = 32
+
+
+class SetOrderChecks:
+    """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: ``prism:set-order`` for each
+    order-dependent use of a set-valued expression (see the module docstring).
+
+    The host class provides ``info`` (the module), ``q(node)`` (canonical qualified names) and
+    ``add(rule, node, message)``; :meth:`order_check` is called on every node of the module."""
+
+    _set_attrs: frozenset[str] | None = None
+
+    def order_check(self, node: ast.AST) -> None:
+        """Record ``prism:set-order`` if ``node`` consumes a set in an order-dependent way."""
+        if isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+            self._refuse_set(node.iter, "iterating it")
+        elif isinstance(node, ast.Starred | ast.YieldFrom):
+            self._refuse_set(node.value, "unpacking it" if isinstance(node, ast.Starred) else "yield from it")
+        elif isinstance(node, ast.Call):
+            self._set_call(node)
+
+    def _set_call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "pop" and self.set_valued(func.value):
+            self.add(SET_ORDER, node, "set.pop() takes an arbitrary element: " + _HINT)
+        if isinstance(func, ast.Attribute) and func.attr in ORDER_FREE_METHODS and self.set_valued(func.value):
+            return
+        if self.q(func) and self.q(func) <= ORDER_FREE_BUILTINS:
+            return
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            if not isinstance(arg, ast.Starred):  # a starred set is refused as unpacking
+                self._refuse_set(arg, f"passing it to {_callee(func)}")
+
+    def _refuse_set(self, expr: ast.AST, how: str) -> None:
+        if self.set_valued(expr):
+            self.add(SET_ORDER, expr, f"a set is iterated in hash order ({how}): " + _HINT)
+
+    def set_valued(self, node: ast.AST, depth: int = 0) -> bool:
+        """Whether ``node`` evaluates to a set or frozenset the gate must treat as unordered."""
+        if depth > MAX_DEPTH:
+            return False
+        if isinstance(node, ast.Set):
+            return not all(isinstance(e, ast.Constant) for e in node.elts)
+        if isinstance(node, ast.SetComp):
+            return True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, SET_OPS):
+            return self.set_valued(node.left, depth + 1) or self.set_valued(node.right, depth + 1)
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in SET_RESULT_METHODS:
+                return self.set_valued(func.value, depth + 1)
+            return bool(self.q(func) & {"builtins.set", "builtins.frozenset"})
+        if isinstance(node, ast.Name):
+            return self._name_is_set(node, depth)
+        if isinstance(node, ast.Attribute):
+            return node.attr in self._assigned_set_attrs()
+        return False
+
+    def _name_is_set(self, node: ast.Name, depth: int) -> bool:
+        scope = lookup(node.id, self.info.scope_for(node))
+        if scope is None:
+            return False
+        return any(b[0] == "expr" and b[1] is not node and self.set_valued(b[1], depth + 1)
+                   for b in scope.bindings.get(node.id, ()))
+
+    def _assigned_set_attrs(self) -> frozenset[str]:
+        if self._set_attrs is None:
+            self._set_attrs = frozenset()  # no attribute is a set while the module is scanned
+            names = set()
+            for n in ast.walk(self.info.tree):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                    n, ast.AnnAssign | ast.AugAssign) and n.value is not None else []
+                if any(isinstance(t, ast.Attribute) for t in targets) and self.set_valued(n.value):
+                    names |= {t.attr for t in targets if isinstance(t, ast.Attribute)}
+            self._set_attrs = frozenset(names)
+        return self._set_attrs
+
+
+_HINT = ("the order of tensors, parameters and modules in a set is their memory addresses, which "
+         "differ between runs; keep a list (or a dict), or iterate sorted(...) of names")
+
+
+def _callee(func: ast.AST) -> str:
+    if isinstance(func, ast.Name):
+        return f"{func.id}()"
+    if isinstance(func, ast.Attribute):
+        return f".{func.attr}()"
+    return "a call"
