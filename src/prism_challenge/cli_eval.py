@@ -106,7 +106,7 @@ def add_eval_parser(sub: Any) -> None:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    from prism_challenge import evaluate as ev
+    from prism_challenge import pipeline as ev
 
     p.add_argument("--rank-timeout", type=_type(float, None), default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
@@ -125,7 +125,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, profile, seed: int | None, out_dir: str | None):
-    from prism_challenge.evaluate import EvalOptions
+    from prism_challenge.pipeline import EvalOptions
 
     given = {k: getattr(args, k) for k in PROFILE_FIELDS}
     given["seed"] = seed
@@ -200,7 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace, console, message: str) -> int:
-    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure
+    from prism_challenge.pipeline import USAGE_STAGE, EvalFailure
     from prism_challenge.report import print_failure
 
     failure = EvalFailure(USAGE_STAGE, message)
@@ -220,8 +220,8 @@ def _err():
 
 def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]]:
     """One scored run with the progress bar; returns the exit code and the JSON summary."""
-    from prism_challenge import evaluate as ev
-    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure, evaluate
+    from prism_challenge import pipeline as ev
+    from prism_challenge.pipeline import USAGE_STAGE, EvalFailure, evaluate
     from prism_challenge.report import print_failure, print_summary, summary_dict
 
     err = _err()
@@ -252,7 +252,7 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
 
 
 def _progress(console, disable: bool):
-    """The live progress bar and the two callbacks :func:`~prism_challenge.evaluate.evaluate` takes."""
+    """The live progress bar and the two callbacks :func:`~prism_challenge.pipeline.evaluate` takes."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
