@@ -216,6 +216,7 @@ class Jail:
     audit: bool = True
     cgroups: list[MemoryCgroup] = field(default_factory=list)
     memory_by: str = "rlimit"
+    children: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
     def open(cls, mode: str, *, bundle_dir: str | os.PathLike[str], hidden: Sequence[str | os.PathLike[str]],
@@ -293,6 +294,7 @@ class Jail:
         proc = subprocess.Popen(self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits),
                                 env=child_env(self.threads, extra), cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, start_new_session=True, preexec_fn=preexec)
+        self.children = [p for p in self.children if p.returncode is None] + [proc]
         return proc, group
 
     def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
@@ -329,6 +331,18 @@ class Jail:
             return Finished(0, out, err, False, None, None)
         failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
         return Finished(proc.returncode, out, err, False, failure, refusal)
+
+    def kill_all(self) -> int:
+        """SIGKILL the group of every child this jail started that was not reaped yet (torchrun's
+        tree, the parameter, held-out and probe children); safe from another thread (a
+        cancelled run). Returns how many groups were signalled."""
+        alive = [p for p in list(self.children) if p.returncode is None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return len(alive)
 
     def close(self) -> None:
         """Remove the cgroups of children started with :meth:`popen` (after they ended)."""
