@@ -72,6 +72,8 @@ FAILURE_KINDS: tuple[StageKind, ...] = (
               "the scored model is over the cap, the frozen bundle changed"),
     StageKind("resources", ANY_CAUSE, SUBMISSION,
               "the bundle's processes reached a limit: memory, tasks, file size, the artifacts quota"),
+    StageKind("consistency", ANY_CAUSE, SUBMISSION,
+              "the ranks disagree: different final `state_dict` digests, or a rank out of step with the others"),
     StageKind("budget", ANY_CAUSE, SUBMISSION, "no batch was scored before the wall-clock budget ran out"),
     StageKind("runner", ANY_CAUSE, SUBMISSION,
               "a rank ended, or broke the protocol, without a report: the submission's process died"),
