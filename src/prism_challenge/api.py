@@ -76,6 +76,10 @@ def _run(options: EvalOptions, control: RunControl) -> EvalResult:
         where = f" ({exc.filename})" if exc.filename else ""
         failure = EvalFailure("storage", f"{type(exc).__name__}: {exc.strerror or exc}{where}")
         return _early(options, _cancelled_or(failure, control))
+    except Exception:
+        if control.cancelled:  # the kill made a step fail (a child refused by the killed jail)
+            return _early(options, EvalFailure("cancelled", CANCELLED_MESSAGE))
+        raise
     manifest = RunManifest.model_validate(outcome.manifest)
     failure = manifest.failure
     return EvalResult(status=manifest.status, kind=failure.kind if failure else None, failure=failure,

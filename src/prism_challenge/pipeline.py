@@ -518,7 +518,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
     verdict = None
     if score is not None and failure is None:
-        with control.stage("heldout") as mark:
+        with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
             heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
             verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                     heldout_error=heldout_error, policy=opts.policy)
@@ -553,7 +553,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
-    with control.stage("manifest"):
+    with control.stage("manifest", check=False):
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
 
