@@ -21,9 +21,6 @@ stays cheap (the ranks import it), and torch is imported only when a run starts.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -42,7 +39,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:  # no typing import: this module must stay cheap
     """The lazy re-exports of :data:`_EXPORTS` (PEP 562).
 
     Raises:
@@ -51,6 +48,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'prism_challenge' has no attribute {name!r}")
+    import importlib  # already loaded by the import system; bound here, when a name is first used
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
