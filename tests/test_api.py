@@ -301,3 +301,48 @@ def test_events_are_typed():
                     bpb_so_far=None)
     assert StageFinished(stage="gates", seconds=1.5, ok=True).model_dump() == {
         "event": "stage_finished", "stage": "gates", "seconds": 1.5, "ok": True}
+
+
+# -- the library's result for failures before a run directory --------------------------------------
+def test_missing_data_is_an_infrastructure_failure_with_its_events(tmp_path):
+    from prism_challenge import evaluate
+    from prism_challenge.events import RunFinished
+
+    events = []
+    result = evaluate(EvalOptions(bundle=str(EXAMPLE), data_dir=str(tmp_path / "nope"), out_dir=str(tmp_path / "o"),
+                                  device="cpu"), on_progress=events.append)
+    assert (result.status, result.kind, result.failure.stage) == ("failed", "infrastructure", "data")
+    assert result.run_dir is None and not (tmp_path / "o").exists()
+    assert result.manifest.bundle.path == str(EXAMPLE) and result.manifest.score is None
+    assert [(type(e).__name__, getattr(e, "stage", None), getattr(e, "ok", None)) for e in events] == [
+        ("StageStarted", "intake", None), ("StageFinished", "intake", True),
+        ("StageStarted", "data", None), ("StageFinished", "data", False), ("RunFinished", "data", None)]
+    assert isinstance(events[-1], RunFinished) and events[-1].kind == "infrastructure"
+
+
+def test_a_full_disk_is_an_infrastructure_failure(monkeypatch):
+    import errno
+
+    from prism_challenge import api, pipeline
+
+    def full(opts, control):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/model/trained_state.pt")
+
+    monkeypatch.setattr(pipeline, "evaluate", full)
+    result = api.evaluate(EvalOptions(bundle="b"))
+    assert (result.status, result.kind, result.failure.stage) == ("failed", "infrastructure", "storage")
+    assert result.failure.message == "OSError: No space left on device (/runs/x/model/trained_state.pt)"
+
+
+def test_an_error_the_kill_caused_after_a_cancel_is_a_cancel(monkeypatch):
+    from prism_challenge import api, pipeline
+    from prism_challenge.evaluator.isolation import IsolationError
+
+    def killed(opts, control):
+        raise IsolationError("the run was cancelled: the jail starts no new process")
+
+    monkeypatch.setattr(pipeline, "evaluate", killed)
+    result = api.evaluate(EvalOptions(bundle="b"), cancel=lambda: True)
+    assert (result.status, result.kind, result.failure.stage) == ("cancelled", "cancelled", "cancelled")
+    with pytest.raises(IsolationError):  # without a cancel it is a harness error, not hidden
+        api.evaluate(EvalOptions(bundle="b"))
