@@ -205,3 +205,20 @@ def test_a_run_killed_from_outside_is_an_infrastructure_failure(tmp_path):
     assert (result.failure.stage, result.failure.cause) == ("runner", "killed")
     assert result.failure.message.startswith("torchrun ended on signal 9 that the harness did not send")
     assert _on_disk(result).failure.kind == "infrastructure"
+
+
+@pytest.mark.parametrize("seq_len,code,status,kind", [("1024", 0, "scored", None), ("256", 1, "failed", "submission")])
+def test_prism_eval_writes_manifests_the_models_accept(tmp_path, capsys, seq_len, code, status, kind):
+    from prism_challenge.cli import main
+
+    out = tmp_path / "run"
+    argv = ["eval", str(TRIVIAL), "--seq-len", seq_len, "--token-budget", "20000", "--heldout-bytes", "10000",
+            "--device", "cpu", "--json", "--no-progress", "--out", str(out)]
+    assert main(argv) == code
+    summary = json.loads(capsys.readouterr().out)
+    manifest = RunManifest.model_validate(json.loads((out / MANIFEST_NAME).read_text()))
+    assert (summary["status"], manifest.status) == (status, status)
+    assert (summary["failure"] or {}).get("kind") == kind == (manifest.failure.kind if manifest.failure else None)
+    if status == "scored":
+        assert summary["prequential_bpb"] == manifest.score.prequential_bpb
+        assert summary["final_score"] == manifest.verdict.final_score
