@@ -124,11 +124,32 @@ class TokenizerInfo(_Model):
 
 
 class RunConfig(_Model):
-    """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank."""
+    """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank,
+    and ``prism.yaml``'s ``scoring_autocast`` (the dtype of the scoring forwards; absent before
+    it existed)."""
 
     sequence_length: Annotated[int, Field(ge=2)]
     max_parameters: Annotated[int, Field(ge=1)]
     threads: Annotated[int, Field(ge=1)]
+    scoring_autocast: Literal["fp32", "bf16", "fp16"] | None = None
+
+
+class GpuStack(_Model):
+    """``compute.gpu``: the GPU stack the jailed CUDA check saw (every field ``None`` on CPU),
+    and each rank's peak allocated and reserved device bytes (keys ``"0"``, ``"1"``...)."""
+
+    device: Literal["cpu", "cuda"]
+    gpu_model: str | None = None
+    gpu_models: list[str] | None = None
+    gpu_count: Count | None = None
+    compute_capability: str | None = None
+    memory_bytes: Count | None = None
+    driver: str | None = None
+    cuda_runtime: str | None = None
+    cudnn: int | None = None
+    nccl: str | None = None
+    peak_allocated_bytes: dict[str, Count | None] = Field(default_factory=dict)
+    peak_reserved_bytes: dict[str, Count | None] = Field(default_factory=dict)
 
 
 class Budgets(_Model):
@@ -155,6 +176,7 @@ class Compute(_Model):
     peak_rss_bytes: dict[str, Count | None]
     peak_device_bytes: dict[str, Count | None]
     parent_peak_rss_bytes: Count
+    gpu: GpuStack | None = None
 
 
 class ModelInfo(_Model):
@@ -258,6 +280,8 @@ class Isolation(_Model):
     uid: int | None = None
     hidden: list[str]
     limits: Limits
+    tmp_bytes: Count | None = None  # the sandbox's private /tmp and /dev/shm sizes
+    shm_bytes: Count | None = None
     memory_limit_by: Literal["rlimit", "cgroup"] = "rlimit"
     audit_hooks: bool = True
     audit_exit_code: int | None = None
