@@ -78,7 +78,7 @@ def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation:
         else:
             opts = dict(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads, out_dir=str(out),
                         device="cpu", isolation=isolation, heldout_bytes=heldout_bytes, warm_ranks=False)
-            cmd = [sys.executable, "-c", "import sys, json; from prism_challenge.evaluate import EvalOptions, evaluate; "
+            cmd = [sys.executable, "-c", "import sys, json; from prism_challenge.pipeline import EvalOptions, evaluate; "
                    "evaluate(EvalOptions(**json.loads(sys.argv[1])))", json.dumps(opts)]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -14,7 +14,7 @@ import torch
 
 from prism_challenge.bundle import load_bundle
 from prism_challenge.cli import main
-from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
+from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.run_manifest import MANIFEST_NAME
 

@@ -3,7 +3,7 @@
 import pytest
 
 from prism_challenge.cli import main
-from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.pipeline import EvalOptions, evaluate
 
 from helpers import EXAMPLE, write_bundle
 

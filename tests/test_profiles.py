@@ -8,7 +8,7 @@ import pytest
 
 from prism_challenge.cli import main
 from prism_challenge.data.sources import FINEWEB_EDU_REPO, FINEWEB_EDU_REVISION, FINEWEB_EDU_SUBSET
-from prism_challenge.evaluate import EvalOptions
+from prism_challenge.pipeline import EvalOptions
 from prism_challenge.profiles import (
     DataPin,
     ProfileError,

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from prism_challenge.cli import main
-from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.report import print_summary
 from prism_challenge.run_manifest import MANIFEST_NAME
 

@@ -10,44 +10,70 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
+from prism_challenge.options import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_RANK_TIMEOUT_S,
+    MAX_THREADS,
+    RULES,
+    OptionsError,
+    check_field,
+)
+from prism_challenge.failures import USAGE_STAGE
 from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
 
 EXIT_SCORED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-MAX_THREADS = 256  # CPU threads per rank (the sandbox allows 1024 tasks in all)
-MAX_SEED = 2**63 - 1
+FLAG_NAMES = {"data_dir": "--data", "out_dir": "--out"}  # EvalOptions fields whose flag is not --field-name
 # EvalOptions fields a profile sets; the command line's value (when given) overrides it
 PROFILE_FIELDS = ("seq_len", "nproc", "device", "seed", "threads", "max_parameters", "token_budget",
                   "byte_budget", "step_budget", "wall_clock_budget", "heldout_bytes")
 
 
-def _type(kind: type, low: float, high: float | None = None):
-    """An argparse type: a ``kind`` value in ``low..high``, or a positive one when ``low`` is
-    ``None`` (finite: inf would reach the manifest as non-JSON ``Infinity``)."""
+def _field(name: str):
+    """An argparse type for the :class:`~prism_challenge.options.EvalOptions` field ``name``: the
+    text parsed as the field's kind and checked by the field's rule (:data:`~prism_challenge.options.RULES`,
+    the same check the options make)."""
+    kind = RULES[name].kind
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if low is None:
-            if not (value > 0 and math.isfinite(value)):
-                raise argparse.ArgumentTypeError(f"{value} must be a positive finite number")
-        elif not low <= value <= (high if high is not None else value):
-            rng = f"between {low} and {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"{value} must be {rng}")
+        try:
+            return check_field(name, value)
+        except OptionsError as exc:
+            raise argparse.ArgumentTypeError(f"{value} {exc.rule}") from None
+
+    return parse
+
+
+def _range(low: int, high: int):
+    """An argparse type: an integer in ``low..high`` (for options that are not EvalOptions fields)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be between {low} and {high}")
         return value
 
     return parse
 
 
+def flag_of(field_name: str) -> str:
+    """The ``prism eval`` flag of an EvalOptions field (``seq_len`` -> ``--seq-len``)."""
+    return FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
 def _seed_list(text: str) -> list[int]:
-    parse = _type(int, 0, MAX_SEED)
+    parse = _field("seed")
     seeds = [parse(x.strip()) for x in text.split(",") if x.strip()]
     if not seeds or len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of distinct seeds, e.g. 1234,1,2")
@@ -74,21 +100,21 @@ def add_eval_parser(sub: Any) -> None:
                    help="prepared data directory (default: the profile's; local: the embedded corpus)")
     p.add_argument("--out", dest="out_dir", metavar="DIR",
                    help="run directory (default ./prism-runs/<time>-<bundle>-<sha>; with seeds, DIR/seed-<S>)")
-    p.add_argument("--seed", type=_type(int, 0, MAX_SEED), help=f"forced seed, 0..2^63-1 {d('seed')}")
+    p.add_argument("--seed", type=_field("seed"), help=f"forced seed, 0..2^63-1 {d('seed')}")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=_seed_list, metavar="S1,S2,...",
                        help="run once per seed; print mean and sample std (ddof=1) of bpb and final_score")
-    seeds.add_argument("--repeats", type=_type(int, 2, 100), metavar="N",
+    seeds.add_argument("--repeats", type=_range(2, 100), metavar="N",
                        help="run N times, with seeds SEED, SEED+1, ... (SEED: --seed or the profile's); as --seeds")
-    p.add_argument("--seq-len", type=_type(int, 2, MAX_BATCH_TOKENS), metavar="T",
-                   help=f"ctx.max_seq_len, 2..{MAX_BATCH_TOKENS} {d('seq_len')}")
-    p.add_argument("--token-budget", type=_type(int, 1), metavar="N",
+    p.add_argument("--seq-len", type=_field("seq_len"), metavar="T",
+                   help=f"ctx.max_seq_len, 2..{RULES['seq_len'].high} {d('seq_len')}")
+    p.add_argument("--token-budget", type=_field("token_budget"), metavar="N",
                    help=f"stop after this many stream tokens; replaces the profile's byte budget {d('token_budget')}")
-    p.add_argument("--byte-budget", type=_type(int, 1), metavar="N",
+    p.add_argument("--byte-budget", type=_field("byte_budget"), metavar="N",
                    help="stop at the first batch boundary at or past N UTF-8 bytes of text (the same text "
                         "for every tokenizer); replaces the profile's token budget")
-    p.add_argument("--step-budget", type=_type(int, 1), metavar="N", help="stop after this many batches")
-    p.add_argument("--wall-clock-budget", type=_type(float, None), metavar="SECONDS",
+    p.add_argument("--step-budget", type=_field("step_budget"), metavar="N", help="stop after this many batches")
+    p.add_argument("--wall-clock-budget", type=_field("wall_clock_budget"), metavar="SECONDS",
                    help="stop the stream this many seconds after the gates' release (graceful)")
     p.add_argument("--no-budget", action="store_true",
                    help="drop the profile's budgets (those not given here): stream the whole train split")
@@ -96,21 +122,19 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--nnodes", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help=f"where the ranks compute; auto: cuda when available {d('device')}")
-    p.add_argument("--threads", type=_type(int, 1, MAX_THREADS), metavar="N",
+    p.add_argument("--threads", type=_field("threads"), metavar="N",
                    help=f"CPU threads per rank, 1..{MAX_THREADS}, fixed for reproducibility {d('threads')}")
-    p.add_argument("--max-parameters", type=_type(int, 1), metavar="N",
+    p.add_argument("--max-parameters", type=_field("max_parameters"), metavar="N",
                    help=f"parameter cap: unique parameter and buffer elements {d('max_parameters')}")
-    p.add_argument("--heldout-bytes", type=_type(int, 0, 1 << 40), metavar="BYTES",
+    p.add_argument("--heldout-bytes", type=_field("heldout_bytes"), metavar="BYTES",
                    help=f"UTF-8 bytes of the val split for the held-out delta; 0 disables {d('heldout_bytes')}")
     _add_run_options(p)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    from prism_challenge import evaluate as ev
-
-    p.add_argument("--rank-timeout", type=_type(float, None), default=ev.DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--rank-timeout", type=_field("rank_timeout"), default=DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
                    help="fail when a rank is silent this long while another is ahead (default %(default)s)")
-    p.add_argument("--idle-timeout", type=_type(float, None), default=ev.DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--idle-timeout", type=_field("idle_timeout"), default=DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
                    help="one rank: stop and score what was scored when the loop takes no batch for this long; "
                         "any number of ranks: fail when no batch was scored this long after the start "
                         "(default %(default)s)")
@@ -125,7 +149,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, profile, seed: int | None, out_dir: str | None):
-    from prism_challenge.evaluate import EvalOptions
+    """The run's EvalOptions: the profile's settings with the command line's on top.
+
+    Raises:
+        OptionsError: a value breaks its rule (the profile's or the command line's).
+    """
+    from prism_challenge.options import EvalOptions
 
     given = {k: getattr(args, k) for k in PROFILE_FIELDS}
     given["seed"] = seed
@@ -179,15 +208,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         return _usage(args, human, str(exc))
     seeds = _seeds(args, profile)
+    try:  # every run's options are checked before the first run starts
+        runs = [_options(args, profile, args.seed, args.out_dir)] if seeds is None else [
+            _options(args, profile, seed, _seed_out(args, seed)) for seed in seeds]
+    except OptionsError as exc:
+        return _usage(args, human, f"{flag_of(exc.field)} {exc.value}: {exc.rule}")
     if seeds is None:
-        code, summary = _run_one(args, _options(args, profile, args.seed, args.out_dir), human)
+        code, summary = _run_one(args, runs[0], human)
         if args.json:
             print(json.dumps(summary, indent=2))
         return code
     results = []
-    for i, seed in enumerate(seeds, 1):
+    for i, (seed, opts) in enumerate(zip(seeds, runs), 1):
         _err().print(f"prism eval: run {i} of {len(seeds)}, seed {seed}", highlight=False)
-        code, summary = _run_one(args, _options(args, profile, seed, _seed_out(args, seed)), human)
+        code, summary = _run_one(args, opts, human)
         results.append(summary)
         if code == EXIT_USAGE:
             break
@@ -200,14 +234,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace, console, message: str) -> int:
-    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure
+    from prism_challenge.failures import EvalFailure
     from prism_challenge.report import print_failure
 
     failure = EvalFailure(USAGE_STAGE, message)
     print_failure(_err(), failure)
     if args.json:
         print(json.dumps({"status": "failed", "exit_code": EXIT_USAGE, "run_dir": None, "manifest": None,
-                          "failure": {"stage": USAGE_STAGE, "message": message}}, indent=2))
+                          "failure": {"stage": USAGE_STAGE, "message": message, "kind": failure.kind}}, indent=2))
     return EXIT_USAGE
 
 
@@ -220,28 +254,30 @@ def _err():
 
 def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]]:
     """One scored run with the progress bar; returns the exit code and the JSON summary."""
-    from prism_challenge import evaluate as ev
-    from prism_challenge.evaluate import USAGE_STAGE, EvalFailure, evaluate
+    from prism_challenge import pipeline as ev
+    from prism_challenge.api import evaluate
     from prism_challenge.report import print_failure, print_summary, summary_dict
 
     err = _err()
     if opts.isolation == "none":
         err.print(f"[bold red on yellow] WARNING [/] [bold]{ev.NO_ISOLATION_WARNING}[/]")
-    progress, on_start, on_record = _progress(err, disable=args.no_progress or args.quiet)
+    bar = ProgressBar(err, disable=args.no_progress or args.quiet)
     try:
-        outcome = evaluate(opts, on_start=on_start, on_record=on_record)
-    except EvalFailure as exc:  # before a run directory exists: a bad command line exits 2
-        progress.stop()
-        print_failure(err, exc)
-        code = EXIT_USAGE if exc.stage == USAGE_STAGE else EXIT_FAILED
-        return code, {"status": "failed", "exit_code": code, "seed": opts.seed, "run_dir": None, "manifest": None,
-                      "failure": {"stage": exc.stage, "message": exc.message}}
+        result = evaluate(opts, on_progress=bar)
     finally:
-        progress.stop()
+        bar.stop()
+    failure = result.failure
+    if result.run_dir is None:  # stopped before a run directory existed: a bad command line exits 2
+        print_failure(err, failure)
+        code = EXIT_USAGE if failure.stage == USAGE_STAGE else EXIT_FAILED
+        return code, {"status": result.status, "exit_code": code, "seed": opts.seed, "run_dir": None,
+                      "manifest": None, "failure": {"stage": failure.stage, "message": failure.message,
+                                                    "kind": failure.kind}}
+    outcome = SimpleNamespace(manifest=result.manifest.to_json_dict(), run_dir=Path(result.run_dir))
     summary = summary_dict(outcome)
-    summary["exit_code"] = code = EXIT_FAILED if outcome.failure is not None else EXIT_SCORED
-    if outcome.failure is not None:
-        print_failure(err, outcome.failure, outcome.run_dir)
+    summary["exit_code"] = code = EXIT_FAILED if failure is not None else EXIT_SCORED
+    if failure is not None:
+        print_failure(err, failure, outcome.run_dir)
     elif args.quiet:
         if not args.json:
             print(f"seed {opts.seed}  final_score {summary['final_score']:.6f}  prequential_bpb "
@@ -251,31 +287,41 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
     return code, summary
 
 
-def _progress(console, disable: bool):
-    """The live progress bar and the two callbacks :func:`~prism_challenge.evaluate.evaluate` takes."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+class ProgressBar:
+    """``prism eval``'s live progress bar, driven by the run's progress events
+    (:mod:`~prism_challenge.events`): it appears when the ``stream`` stage starts (sized by its
+    ``total`` and ``unit``) and advances on each ``batch_scored`` (targets under a token budget,
+    else bytes), showing ``bpb_so_far``."""
 
-    progress = Progress(
-        TextColumn("[bold]prequential"),
-        BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
-        TextColumn("bpb [cyan]{task.fields[bpb]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=disable,
-        transient=False,
-        refresh_per_second=2,  # the parent shares the cores with the ranks
-    )
-    state: dict[str, Any] = {}
+    def __init__(self, console, disable: bool):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def on_start(info: dict[str, Any]) -> None:
-        state["unit"] = info["unit"]
-        state["task"] = progress.add_task("run", total=info["total"], unit=info["unit"], bpb="-")
-        progress.start()
+        self.progress = Progress(
+            TextColumn("[bold]prequential"),
+            BarColumn(),
+            TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
+            TextColumn("bpb [cyan]{task.fields[bpb]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=disable,
+            transient=False,
+            refresh_per_second=2,  # the parent shares the cores with the ranks
+        )
+        self.task: Any = None
+        self.unit = "bytes"
 
-    def on_record(rec: Any, running: dict[str, float]) -> None:
-        done = rec.targets if state["unit"] == "tokens" else rec.bytes
-        bpb = running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else float("nan")
-        progress.update(state["task"], advance=done, bpb=f"{bpb:.4f}")
+    def __call__(self, event: Any) -> None:
+        from prism_challenge.events import BatchScored, StageStarted
 
-    return progress, on_start, on_record
+        if isinstance(event, StageStarted) and event.stage == "stream":
+            self.unit = event.unit or "bytes"
+            self.task = self.progress.add_task("run", total=event.total, unit=self.unit, bpb="-")
+            self.progress.start()
+        elif isinstance(event, BatchScored) and self.task is not None:
+            done = event.targets if self.unit == "tokens" else event.bytes
+            bpb = f"{event.bpb_so_far:.4f}" if event.bpb_so_far is not None else "-"
+            self.progress.update(self.task, advance=done, bpb=bpb)
+
+    def stop(self) -> None:
+        """Stop the live display (idempotent)."""
+        self.progress.stop()

@@ -121,7 +121,7 @@ def summary_dict(outcome) -> dict[str, Any]:
         "stop_reason": (m.get("stream") or {}).get("stop_reason"), "seed": m.get("seed"),
         "bundle_sha256": (m.get("bundle") or {}).get("sha256"), "profile": m.get("profile"),
         "budgets": m.get("budgets"), "world_size": (m.get("compute") or {}).get("world_size"),
-        "failure": None if f is None else {"stage": f["stage"], "message": f["message"]},
+        "failure": None if f is None else {"stage": f["stage"], "message": f["message"], "kind": f.get("kind")},
     }
 
 

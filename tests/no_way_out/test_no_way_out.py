@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bundles  # noqa: E402
-from prism_challenge.evaluate import EvalOptions, evaluate  # noqa: E402
+from prism_challenge.pipeline import EvalOptions, evaluate  # noqa: E402
 from prism_challenge.evaluator import isolation  # noqa: E402
 from prism_challenge.frozen import freeze  # noqa: E402
 from prism_challenge.gates import parameter_gate, run_gates  # noqa: E402

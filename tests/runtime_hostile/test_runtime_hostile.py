@@ -30,7 +30,7 @@ import torch
 import hostile_bundles as hb
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.manifest import load_manifest
-from prism_challenge.evaluate import EvalFailure, EvalOptions, evaluate
+from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator import isolation
 from prism_challenge.evaluator.isolation import tasks_of_uid
 from prism_challenge.run_manifest import MANIFEST_NAME, SCHEMA
@@ -371,7 +371,7 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
     import subprocess
     import sys
 
-    import prism_challenge.evaluate as ev
+    import prism_challenge.pipeline as ev
 
     bundle = write(tmp_path / "b", hb.UNIFORM, PLAIN_LOOP)
     plant = [("training", "def train(ctx):\n    raise RuntimeError('planted training bytecode ran')\n"),

@@ -349,11 +349,13 @@ class Feeder:
         except OSError:
             pass
 
-    def fail(self, stage: str, message: str, tb: str = "", rank: int | None = None) -> None:
-        """Record the first failure of the run (later ones are ignored)."""
+    def fail(self, stage: str, message: str, tb: str = "", rank: int | None = None, origin: str = "harness") -> None:
+        """Record the first failure of the run (later ones are ignored). ``origin``: ``"runner"``
+        for an ERROR frame a rank sent (its stage is the untrusted side's word), else ``"harness"``."""
         with self._lock:
             if self.result.error is None:
-                self.result.error = {"stage": stage, "message": message, "traceback": tb, "rank": rank}
+                self.result.error = {"stage": stage, "message": message, "traceback": tb, "rank": rank,
+                                     "origin": origin}
                 self.result.stop_reason = "failed"
         self.failed.set()
         self.wake.set()
@@ -420,6 +422,7 @@ class Feeder:
                         str(header.get("message", ""))[:4000],
                         str(header.get("traceback", ""))[:20000],
                         rank=st.rank,
+                        origin="runner",
                     )
                 elif kind == Kind.EVENT:
                     event = header.get("event")

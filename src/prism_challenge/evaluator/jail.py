@@ -28,6 +28,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,9 @@ class Jail:
     audit: bool = True
     cgroups: list[MemoryCgroup] = field(default_factory=list)
     memory_by: str = "rlimit"
+    children: list[subprocess.Popen] = field(default_factory=list)
+    killed: bool = False  # kill_all() ran: no new child starts
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def open(cls, mode: str, *, bundle_dir: str | os.PathLike[str], hidden: Sequence[str | os.PathLike[str]],
@@ -290,9 +294,16 @@ class Jail:
                 apply()
 
         extra = {**(env or {}), **({} if self.audit else {ENV_OFF: "off"})}
-        proc = subprocess.Popen(self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits),
-                                env=child_env(self.threads, extra), cwd=cwd, stdin=stdin, stdout=stdout,
-                                stderr=stderr, start_new_session=True, preexec_fn=preexec)
+        command = self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits)
+        with self._lock:  # kill_all() either sees this child or keeps it from starting
+            if self.killed:
+                if group is not None:
+                    group.remove()
+                    self.cgroups.remove(group)
+                raise IsolationError("the run was cancelled: the jail starts no new process")
+            proc = subprocess.Popen(command, env=child_env(self.threads, extra), cwd=cwd, stdin=stdin, stdout=stdout,
+                                    stderr=stderr, start_new_session=True, preexec_fn=preexec)
+            self.children = [p for p in self.children if p.returncode is None] + [proc]
         return proc, group
 
     def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
@@ -329,6 +340,21 @@ class Jail:
             return Finished(0, out, err, False, None, None)
         failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
         return Finished(proc.returncode, out, err, False, failure, refusal)
+
+    def kill_all(self) -> int:
+        """SIGKILL the group of every child this jail started that was not reaped yet (torchrun's
+        tree, the parameter, held-out and probe children), and start no new one (:meth:`popen`
+        and :meth:`run` raise :class:`IsolationError` after it); safe from another thread (a
+        cancelled run). Returns how many groups were signalled."""
+        with self._lock:
+            self.killed = True
+            alive = [p for p in self.children if p.returncode is None]
+            for proc in alive:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return len(alive)
 
     def close(self) -> None:
         """Remove the cgroups of children started with :meth:`popen` (after they ended)."""

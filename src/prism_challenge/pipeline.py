@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 import os
 import platform
 import resource
 import shlex
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,29 +39,31 @@ from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
-from prism_challenge.evaluator.jail import (
-    DEFAULT_MAX_FILE_BYTES,
-    DEFAULT_MAX_OPEN_FILES,
-    DEFAULT_MAX_PROCESSES,
-    Jail,
-    default_memory_limit,
-    diagnose,
-)
+from prism_challenge.evaluator.jail import Jail, diagnose
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.control import CANCELLED_MESSAGE, RunControl
+from prism_challenge.events import BatchScored
+from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, EvalFailure  # noqa: F401
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
-from prism_challenge.profiles import Profile, data_mismatch, manifest_record, prepare_hint
+from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
 from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
+from prism_challenge.options import (  # noqa: F401 - re-exported: the pipeline's settings and defaults
+    DEFAULT_HELDOUT_BYTES,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_PARAMETERS,
+    DEFAULT_RANK_TIMEOUT_S,
+    DEFAULT_SEED,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_THREADS,
+    EvalOptions,
+)
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
-from prism_challenge.verdict import Policy, build_verdict
+from prism_challenge.verdict import build_verdict
 
-DEFAULT_SEED = 1234
-DEFAULT_SEQ_LEN = 256
-DEFAULT_MAX_PARAMETERS = 150_000_000
-DEFAULT_THREADS = 2
 DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long to exit
 DRAIN_S = 5.0  # after torchrun exited, the feeder gets this long to read the ranks' last frames
 WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after this long
@@ -68,13 +72,7 @@ LOG_TAIL_LINES = 12
 # loses its core stalls every other thread of that rank at the next barrier).
 WATCH_INTERVAL_S = 0.25  # the watch loop's period: few wake-ups on cores the ranks compute on
 GUARD_INTERVAL_S = 1.0
-DEFAULT_RANK_TIMEOUT_S = 120.0  # a rank silent this long while another rank is ahead fails the run
-DEFAULT_IDLE_TIMEOUT_S = 1800.0  # world size 1: silent this long after a batch -> stopped, scored
 STATE_NAME = "trained_state.pt"
-DEFAULT_MEMORY_LIMIT = default_memory_limit()  # per process on CPU: 32 GiB, never above the host's memory
-DEFAULT_ARTIFACTS_QUOTA = 4 << 30
-DEFAULT_HELDOUT_BYTES = 200_000
-DEFAULT_HELDOUT_TIMEOUT_S = 600.0
 HELDOUT_BATCH = 8
 NO_ISOLATION_WARNING = (
     "--isolation none: the submission ran unsandboxed, with this user's network, files and privileges; "
@@ -82,83 +80,6 @@ NO_ISOLATION_WARNING = (
 )
 
 
-@dataclass
-class EvalOptions:
-    """Settings of one scored run (the challenge's side: data, seed, order, budgets).
-
-    Budgets: ``token_budget`` (stream tokens), ``byte_budget`` (UTF-8 bytes: the stream stops at
-    the first batch boundary at or past it, so runs with different tokenizers cover the same
-    text), ``step_budget`` (global batches),
-    ``wall_clock_budget`` (seconds from the gates' release; graceful: the stream stops and what
-    was scored is scored; the tree is killed ``WATCHDOG_GRACE_S`` later if it has not ended).
-    Stalls: at world size 1 a rank that took a batch and then sends nothing for
-    ``idle_timeout`` s (an endless loop) is stopped and the run scored on what was scored; at
-    world size > 1 a rank silent for ``rank_timeout`` s while another is ahead fails the run.
-
-    Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
-    read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
-    ``memory_limit_bytes`` per process, ``max_processes`` tasks, ``max_file_bytes`` per file,
-    ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
-    Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
-    ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
-    for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
-    every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
-    ``profile``: the challenge profile the settings came from (:mod:`~prism_challenge.profiles`;
-    its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set
-    otherwise; both are recorded in the manifest's ``profile``.
-
-    Test-only switches (never exposed on the command line): ``run_gates=False`` skips every gate,
-    ``static_gates=False`` only the static ones (the parameter child still runs, in the jail),
-    ``audit_hooks=False`` leaves the children's audit hooks unarmed; they exist to show that each
-    layer behind the gate (the audit hooks, the sandbox) stops a bundle the gate would have.
-    """
-
-    bundle: str
-    data_dir: str | None = None
-    out_dir: str | None = None
-    seed: int = DEFAULT_SEED
-    seq_len: int = DEFAULT_SEQ_LEN
-    token_budget: int | None = None
-    byte_budget: int | None = None
-    step_budget: int | None = None
-    wall_clock_budget: float | None = None
-    nproc: int = 1
-    nnodes: int = 1
-    device: str = "auto"
-    threads: int = DEFAULT_THREADS
-    max_parameters: int = DEFAULT_MAX_PARAMETERS
-    run_gates: bool = True
-    static_gates: bool = True
-    audit_hooks: bool = True
-    rank_timeout: float = DEFAULT_RANK_TIMEOUT_S
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
-    isolation: str = "strict"
-    memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT
-    max_processes: int | None = DEFAULT_MAX_PROCESSES
-    max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES
-    max_open_files: int | None = DEFAULT_MAX_OPEN_FILES
-    artifacts_quota_bytes: int | None = DEFAULT_ARTIFACTS_QUOTA
-    heldout_bytes: int = DEFAULT_HELDOUT_BYTES
-    heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
-    policy: Policy = field(default_factory=Policy)
-    warm_ranks: bool = True
-    profile: Profile | None = None
-    profile_overridden: list[str] = field(default_factory=list)
-
-
-USAGE_STAGE = "config"
-"""The stage of an :class:`EvalFailure` raised for a bad command line (an option that cannot be
-honoured: ``--nproc 9``, a non-empty ``--out``, ``--device cuda`` without CUDA); ``prism eval``
-exits 2 for it, 1 for every other failure."""
-
-
-class EvalFailure(RuntimeError):
-    """A run that could not be scored; ``stage`` names where it stopped (:data:`USAGE_STAGE`:
-    a bad command line)."""
-
-    def __init__(self, stage: str, message: str, detail: str = ""):
-        super().__init__(f"{stage}: {message}")
-        self.stage, self.message, self.detail = stage, message, detail
 
 
 @dataclass
@@ -262,15 +183,14 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | None = None,
-             on_record: Callable[[StepRecord, Score | None], None] | None = None) -> EvalOutcome:
-    """Run the whole pipeline for one bundle and write the run manifest.
+def evaluate(opts: EvalOptions, control: RunControl | None = None) -> EvalOutcome:
+    """Run the whole pipeline for one bundle and write the run manifest (the library's entry
+    point, :func:`prism_challenge.api.evaluate`, wraps it: one result type, failure kinds).
 
     Args:
         opts: the run settings.
-        on_start: called once the gates passed and the run is released, with
-            ``{"total": int | None, "unit": "tokens" | "bytes"}`` for a progress display.
-        on_record: called with each scored step and the running score.
+        control: the caller's cancel source and progress callback (:mod:`~prism_challenge.control`);
+            a cancelled run ends with stage ``cancelled`` and ``"status": "cancelled"``.
 
     Returns:
         The outcome; ``outcome.failure`` is set (and the manifest says ``"status": "failed"``)
@@ -283,6 +203,7 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
             ``--out`` that is not an empty directory), checked before the data is touched.
     """
     t_start = time.monotonic()
+    control = control or RunControl()
     try:
         check_layout(opts.nproc, opts.nnodes)
     except LaunchError as exc:
@@ -301,20 +222,23 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
 
     # 1. intake: the bundle is frozen into one read-only copy; the gates, the parameter child,
     # every rank and the held-out children use it, and it is checked again after the run
+    frozen: FrozenBundle | None = None
     try:
-        frozen = freeze(opts.bundle)
-    except BundleError as exc:
-        raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
-    try:
-        try:
-            bundle = load_bundle(frozen.root)
-        except BundleError as exc:
-            if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
-                _static_gates(opts, frozen.root)
-            raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
-        return _run_bundle(opts, bundle, frozen, device, t_start, on_start, on_record)
+        with control.stage("intake"):
+            try:
+                frozen = freeze(opts.bundle)
+            except BundleError as exc:
+                raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
+            try:
+                bundle = load_bundle(frozen.root)
+            except BundleError as exc:
+                if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
+                    _static_gates(opts, frozen.root)
+                raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
+        return _run_bundle(opts, bundle, frozen, device, t_start, control)
     finally:
-        frozen.remove()
+        if frozen is not None:
+            frozen.remove()
 
 
 @dataclass
@@ -346,6 +270,7 @@ def _refuse(findings: list[Any], opts: EvalOptions) -> EvalFailure:
         "gates",
         f"{sum(f.blocking for f in findings)} blocking finding(s); `{check_command(opts)}` lists them",
         "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
+        findings=findings,
     )
 
 
@@ -433,8 +358,8 @@ def _hidden(data_root: Path, run_dir: Path) -> list[Path]:
     return [data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model"]
 
 
-def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float, on_start,
-                on_record) -> EvalOutcome:
+def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float,
+                control: RunControl) -> EvalOutcome:
     """Data, sandbox, feeder, torchrun (started before the gates), scoring, held-out, manifest.
 
     torchrun is launched before the static gates and its ranks connect and wait: the runner
@@ -445,18 +370,20 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     and leaves no run directory behind.
     """
     # 2. tokenizer and locked data (verified before anything is launched)
-    try:
-        tokenizer = reference_tokenizer(bundle.tokenizer)
-    except TokenizerError as exc:
-        raise EvalFailure("intake", f"prism.yaml: {exc}") from None
-    try:
-        data_dir = Path(opts.data_dir) if opts.data_dir else ensure_builtin()
-        data = load_manifest(data_dir)
-        data.verify("train")
-        chunks = train_stream(data, tokenizer)
-    except DataError as exc:
-        raise EvalFailure("data", str(exc)) from None
-    profile_record = _check_profile(opts, tokenizer.name, data)
+    with control.stage("data"):
+        try:
+            tokenizer = reference_tokenizer(bundle.tokenizer)
+        except TokenizerError as exc:
+            raise EvalFailure("intake", f"prism.yaml: {exc}") from None
+        try:
+            data_dir = Path(opts.data_dir) if opts.data_dir else ensure_builtin()
+            data = load_manifest(data_dir)
+            data.verify("train")
+            chunks = train_stream(data, tokenizer)
+        except DataError as exc:
+            raise EvalFailure("data", str(exc)) from None
+        profile_record = _check_profile(opts, tokenizer.name, data)
+    control.check()
 
     # 3. run directory, feeder socket, sandbox, torchrun
     run_dir, fresh_dir = _new_run_dir(opts, bundle)
@@ -471,13 +398,17 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
     }
-    running: dict[str, float] = {"nats": 0.0, "bytes": 0}
+    running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
 
-    def _recorded(rec: StepRecord) -> None:
+    def _recorded(rec: StepRecord) -> None:  # on the feeder's thread
         running["nats"] += rec.nats
         running["bytes"] += rec.bytes
-        if on_record is not None:
-            on_record(rec, running)
+        running["targets"] += rec.targets
+        running["batches"] += 1
+        control.emit(BatchScored(
+            batch=int(running["batches"]) - 1, targets=rec.targets, bytes=rec.bytes, nats=rec.nats,
+            targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
+            bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None))
 
     feeder = Feeder(
         sock_path,
@@ -502,6 +433,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             shutil.rmtree(sock_tmp, ignore_errors=True)
         _remove_run_dir(run_dir, fresh_dir)
         raise
+    control.on_cancel(sandbox.jail.kill_all)  # torchrun's tree and every bounded child, at once
+    control.on_cancel(sandbox.guard.kill)  # and whatever runs as the sandbox uid
     log_path = run_dir / "logs" / "runner.log"
     feeder.start(release=False)
     t_launch = time.monotonic()
@@ -517,11 +450,13 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     gated = _Gated([], None, 0.0)
     if opts.run_gates:
         try:
-            if opts.static_gates:
-                gated = _static_gates(opts, bundle.root)
-                if gated.bundle_sha256 != bundle.sha256:
-                    raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-            gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
+            with control.stage("gates"):
+                if opts.static_gates:
+                    gated = _static_gates(opts, bundle.root)
+                    if gated.bundle_sha256 != bundle.sha256:
+                        raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
+                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
+            control.check()
         except BaseException:
             feeder.close()
             proc.kill()
@@ -533,21 +468,22 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     feeder.release()
     t_release = feeder.released_at or time.monotonic()
     findings, param_count_gate = gated.findings, gated.parameter_count
-    if on_start is not None:
-        if opts.token_budget:
-            on_start({"total": opts.token_budget, "unit": "tokens"})
-        else:
-            total = int(data.split("train").get("utf8_bytes") or 0) or None
-            if opts.byte_budget:
-                total = min(total, opts.byte_budget) if total else opts.byte_budget
-            on_start({"total": total, "unit": "bytes"})
+    if opts.token_budget:
+        total, unit = opts.token_budget, "tokens"
+    else:
+        total, unit = int(data.split("train").get("utf8_bytes") or 0) or None, "bytes"
+        if opts.byte_budget:
+            total = min(total, opts.byte_budget) if total else opts.byte_budget
+    stream_stage = control.stage("stream", total=total, unit=unit, check=False)  # the tree runs: no raise here
+    stream_mark = stream_stage.__enter__()
     try:
-        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release)
+        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release, control)
     finally:
         if proc.poll() is not None:  # torchrun ended by itself: read what its ranks wrote last
             feeder.drain(DRAIN_S)
         feeder.stopping.set()  # connections the kill closes are not the runner's failure
-        if proc.poll() is None:
+        harness_killed = proc.poll() is None
+        if harness_killed:
             proc.kill()
         sandbox.guard.kill()
         sandbox.jail.close()
@@ -558,7 +494,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     _drop_c10d_warnings(log_path)
 
     # 4. score what was scored
-    failure = _judge(opts, result, killed_by, proc, log_path, sandbox.jail)
+    if control.cancelled:  # the watcher killed the tree: whatever the feeder saw after, it was the kill
+        killed_by = "cancelled"
+    outside = None if harness_killed or killed_by == "cancelled" else _signal_of(proc.poll())
+    failure = _judge(opts, result, killed_by, proc, log_path, sandbox.jail, outside)
     changed = frozen.changes()
     if changed:  # the ranks imported something other than what the gates read and the manifest names
         failure = EvalFailure("contract", f"the frozen bundle changed during the run: {', '.join(changed[:5])}")
@@ -568,6 +507,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             score = prequential_score(result.steps)
         except ScoringError as exc:
             failure = EvalFailure("scoring", str(exc))
+    stream_mark.failed = failure is not None
+    stream_stage.__exit__(None, None, None)
     state_path = None
     if result.state and failure is None:
         state_path = run_dir / "model" / STATE_NAME
@@ -576,14 +517,18 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
 
     # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
     verdict = None
-    if score is not None:
-        heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
-        verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
-                                heldout_error=heldout_error, policy=opts.policy)
-        if heldout_error is not None and heldout_error.startswith("contract:"):
-            # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
-            verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
-                                          flags=[*verdict.flags, "heldout_contract"])
+    if score is not None and failure is None:
+        with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
+            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
+            verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
+                                    heldout_error=heldout_error, policy=opts.policy)
+            if heldout_error is not None and heldout_error.startswith("contract:"):
+                # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
+                verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
+                                              flags=[*verdict.flags, "heldout_contract"])
+            mark.failed = control.cancelled
+    if control.cancelled and failure is None:  # cancelled during the held-out stage
+        failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
     t_done = time.monotonic()
 
     planted = discard_planted(artifacts)
@@ -608,7 +553,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
-    write_run_manifest(run_dir, manifest)
+    with control.stage("manifest", check=False):
+        write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
 
 
@@ -624,7 +570,7 @@ def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | 
         return None
     if tokenizer not in profile.tokenizers:
         raise EvalFailure(USAGE_STAGE, f"profile {profile.name}: tokenizer {tokenizer!r} (prism.yaml) is not "
-                                       f"allowed; allowed: {', '.join(profile.tokenizers)}")
+                                       f"allowed; allowed: {', '.join(profile.tokenizers)}", cause=TOKENIZER)
     overridden = list(opts.profile_overridden)
     mismatch = data_mismatch(profile.data, data.data, data.sha256)
     if mismatch and "data" not in overridden:
@@ -635,7 +581,8 @@ def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | 
     return record
 
 
-def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_release: float) -> str | None:
+def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_release: float,
+           control: RunControl) -> str | None:
     """Wait for the run to end; returns why the parent stopped it early (or ``None``).
 
     ``t_release``: when the run started (the gates' release); the wall-clock budget counts from it.
@@ -644,6 +591,8 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
         feeder.wake.wait(WATCH_INTERVAL_S)  # a failure or the last DONE wakes it at once
         feeder.wake.clear()
         now = time.monotonic()
+        if control.cancelled:
+            return "cancelled"
         if feeder.failed.is_set():
             time.sleep(0.5)  # let the runner finish writing its report, then stop the tree
             return "failure"
@@ -673,11 +622,19 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
 
 
 def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc, log_path: Path,
-           jail: Jail) -> EvalFailure | None:
+           jail: Jail, outside_signal: int | None = None) -> EvalFailure | None:
     """Why the run cannot be scored, or ``None`` (a watchdog or stall stop is scored on what was scored).
 
     The audit hook's refusal (in the ranks' log) comes first: a rank it stopped also closed its
-    socket, which the feeder reports as a lost connection."""
+    socket, which the feeder reports as a lost connection. A cancelled run is ``cancelled``; a
+    torchrun the harness did not stop that ended on a signal (``outside_signal``) was killed from
+    outside (cause ``killed``); a failure the runner reported from inside a rank has cause
+    ``reported``."""
+    if killed_by == "cancelled":
+        return EvalFailure("cancelled", CANCELLED_MESSAGE)
+    if outside_signal is not None:
+        return EvalFailure("runner", f"torchrun ended on signal {outside_signal} that the harness did not send: "
+                                     "the run was killed from outside", _log_tail(log_path), cause=KILLED)
     refusal = find_refusal(_log_tail(log_path, 10_000)) if proc.poll() not in (0, None) or result.error else None
     if refusal is not None:
         return EvalFailure("contract", describe_refusal(refusal), _log_tail(log_path))
@@ -689,7 +646,8 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
             return EvalFailure("resources", kind if lost else f"{kind}: {message}", _log_tail(log_path))
     if result.error is not None:
         err = result.error
-        return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path))
+        return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path),
+                           cause=REPORTED if err.get("origin") == "runner" else "")
     if killed_by == "watchdog":
         result.stop_reason = "wall_clock_budget"
     elif killed_by == "stalled":
@@ -712,6 +670,19 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     if not result.steps:
         return EvalFailure("contract", "no batch was scored: the loop never iterated ctx.iter_train_batches(...)")
     return None
+
+
+EXTERNAL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _signal_of(returncode: int | None) -> int | None:
+    """The signal that ended torchrun's launcher process (``-N`` from Python, ``128 + N`` from a
+    sandbox's init or a shell that reports its child's signal), or ``None``. The ranks cannot
+    signal it (the audit hook refuses ``os.kill``), and a rank that dies makes torchrun exit 1."""
+    if returncode is None:
+        return None
+    sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
+    return sig if sig in EXTERNAL_SIGNALS else None
 
 
 def _probe_key(data_root: Path, bundle: Bundle, seed: int) -> bytes:
@@ -800,8 +771,8 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         "schema": SCHEMA,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tool": {"name": "prism-challenge", "version": __version__},
-        "status": "failed" if failure else "scored",
-        "failure": None if failure is None else {"stage": failure.stage, "message": failure.message, "detail": failure.detail},
+        "status": "scored" if failure is None else "cancelled" if failure.kind == "cancelled" else "failed",
+        "failure": None if failure is None else failure.to_dict(),
         "bundle": {
             "path": str(Path(opts.bundle).resolve()),  # as given: not a temporary extraction or copy
             "sha256": bundle.sha256,

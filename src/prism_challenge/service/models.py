@@ -1,0 +1,143 @@
+"""The service's tables (SQLAlchemy 2 declarative): submitters, submissions, attempts, runs, nonces.
+
+Every change of a submission's state is recorded with a UTC timestamp: its creation
+(``submissions.created_at``, state ``pending``), every start of an evaluation (an ``attempts``
+row: ``started_at``), every end (the attempt's ``finished_at`` and ``outcome``), and the final
+state (``submissions.finished_at``). ``submissions.attempts`` counts the attempts started; a
+retry is allowed while it is below ``submissions.max_attempts``. The schema is created by the
+Alembic migrations of ``service/migrations`` (a test checks they match these models).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+STATUSES = ("pending", "running", "completed", "failed", "rejected")
+OUTCOMES = ("completed", "failed", "rejected", "retry")
+"""An attempt's outcome: ``completed`` (scored), ``rejected`` (a ``submission`` failure: final),
+``failed`` (an infrastructure failure with no attempt left, or a cancel), ``retry`` (an
+infrastructure failure with attempts left: the submission is pending again)."""
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC datetime on every backend (SQLite stores it naive, read back as UTC).
+
+    Raises:
+        ValueError: a naive datetime is written.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"{value!r}: timestamps must be timezone-aware (UTC)")
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """The declarative base of the service's tables."""
+
+
+class Submitter(Base):
+    """A submitter, known by its sr25519 hotkey (SS58 address)."""
+
+    __tablename__ = "submitters"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hotkey: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+
+
+class Submission(Base):
+    """One submitted bundle (by content: ``bundle_sha256``) and its state."""
+
+    __tablename__ = "submissions"
+    __table_args__ = (
+        CheckConstraint(f"status IN ({', '.join(repr(s) for s in STATUSES)})", name="ck_submissions_status"),
+        CheckConstraint("attempts >= 0 AND attempts <= max_attempts", name="ck_submissions_attempts"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    submitter_id: Mapped[int] = mapped_column(ForeignKey("submitters.id"), nullable=False, index=True)
+    bundle_sha256: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False)
+    max_attempts: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    error_stage: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    error_kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Attempt(Base):
+    """One evaluation of a submission: started when the submission went ``running``."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("submission_id", "number", name="uq_attempts_submission_number"),
+        CheckConstraint(f"outcome IS NULL OR outcome IN ({', '.join(repr(s) for s in OUTCOMES)})",
+                        name="ck_attempts_outcome"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id"), nullable=False, index=True)
+    number: Mapped[int] = mapped_column(Integer, nullable=False)  # 1, 2, ... within the submission
+    worker: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    failure_stage: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    failure_kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    failure_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Run(Base):
+    """The run manifest an attempt produced (one per attempt, written once)."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), unique=True, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # the manifest's status
+    run_dir: Mapped[str | None] = mapped_column(Text, nullable=True)
+    prequential_bpb: Mapped[float | None] = mapped_column(Float, nullable=True)
+    final_score: Mapped[float | None] = mapped_column(Float, nullable=True)
+    manifest: Mapped[dict] = mapped_column(JSON, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+
+
+class Nonce(Base):
+    """A request nonce a hotkey used (a reuse is refused: replay protection)."""
+
+    __tablename__ = "nonces"
+    __table_args__ = (UniqueConstraint("hotkey", "nonce", name="uq_nonces_hotkey_nonce"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hotkey: Mapped[str] = mapped_column(String(64), nullable=False)
+    nonce: Mapped[str] = mapped_column(String(128), nullable=False)
+    timestamp: Mapped[int] = mapped_column(Integer, nullable=False)  # the request's X-Timestamp (Unix s)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
