@@ -40,12 +40,12 @@ from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
 from prism_challenge.evaluator.jail import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_OPEN_FILES,
-    DEFAULT_MAX_PROCESSES,
     Jail,
     default_memory_limit,
     diagnose,
 )
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.profiles import Profile, data_mismatch, manifest_record, prepare_hint
@@ -97,7 +97,9 @@ class EvalOptions:
 
     Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
     read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
-    ``memory_limit_bytes`` per process, ``max_processes`` tasks, ``max_file_bytes`` per file,
+    ``memory_limit_bytes`` per process, ``max_processes`` tasks (``None``: the layout's, from
+    :func:`~prism_challenge.evaluator.sizing.run_sizes`, which also sizes ``/tmp`` and
+    ``/dev/shm``), ``max_file_bytes`` per file,
     ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
     Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
@@ -134,7 +136,7 @@ class EvalOptions:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
     isolation: str = "strict"
     memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT
-    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    max_processes: int | None = None
     max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES
     max_open_files: int | None = DEFAULT_MAX_OPEN_FILES
     artifacts_quota_bytes: int | None = DEFAULT_ARTIFACTS_QUOTA
@@ -409,17 +411,19 @@ class _Sandbox:
 def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path, bundle: Bundle,
              device: str) -> _Sandbox:
     """Open the jail (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
+    sizes = run_sizes(opts.nproc, device)
+    tasks = sizes.max_processes if opts.max_processes is None else opts.max_processes
     limits = Limits(
         address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
         # RLIMIT_NPROC counts every task of the uid: only meaningful for the dedicated sandbox uid
-        max_processes=opts.max_processes if opts.isolation == "strict" and os.geteuid() == 0 else None,
+        max_processes=tasks if opts.isolation == "strict" and os.geteuid() == 0 else None,
         max_file_bytes=opts.max_file_bytes,
         max_open_files=opts.max_open_files,
     )
     hidden = [str(p) for p in _hidden(data_root, run_dir)]
     try:
         jail = Jail.open(opts.isolation, bundle_dir=bundle.root, hidden=hidden, limits=limits, threads=opts.threads,
-                         audit=opts.audit_hooks)
+                         audit=opts.audit_hooks, tmp_bytes=sizes.tmp_bytes, shm_bytes=sizes.shm_bytes)
     except IsolationError as exc:
         raise EvalFailure("isolation", str(exc)) from None
     guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=jail.uid, max_processes=limits.max_processes,
@@ -653,7 +657,8 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
         if never is not None:  # nothing scored and nothing coming: fail now, not when the budget ends
             feeder.fail("contract", f"{never} [--idle-timeout {opts.idle_timeout:g} s]")
             return "failure"
-        stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout)
+        stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout,
+                                     first_timeout=opts.idle_timeout)  # a first compile is no stall
         if stalled is not None:
             stage, message, rank = stalled
             if stage == "stalled":  # one rank stuck after its last batch: stop, score what was scored
