@@ -11,6 +11,7 @@ import pytest
 
 from prism_challenge.evaluate import EvalOptions, evaluate
 from prism_challenge.evaluator import isolation
+from prism_challenge.evaluator.gpu import STACK_FIELDS
 
 from helpers import EXAMPLE, UNIFORM_ARCH, write_bundle
 
@@ -73,3 +74,7 @@ def test_the_library_path_reaches_the_ranks_bound_read_only(tmp_path, monkeypatc
     line = next(x for x in (o.run_dir / "logs" / "runner.log").read_text().splitlines() if x.startswith("LDPROBE"))
     # readable inside the sandbox, not writable; the relative entry is gone; NCCL is pinned to loopback
     assert line == f"LDPROBE [['{libs}', True, False]] lo None"
+    # a CPU run records the GPU stack's fields as null (evaluator/gpu.py)
+    g = o.manifest["compute"]["gpu"]
+    assert g == {"device": "cpu", **dict.fromkeys(STACK_FIELDS), "peak_allocated_bytes": {"0": None},
+                 "peak_reserved_bytes": {"0": None}}

@@ -45,6 +45,8 @@ from prism_challenge.evaluator.jail import (
     diagnose,
 )
 from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.evaluator.gpu import CudaCheck, CudaCheckError, cpu_stack, gpu_count_error, start_cuda_check
+from prism_challenge.evaluator.gpu import manifest_record as gpu_record
 from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
@@ -294,6 +296,9 @@ def evaluate(opts: EvalOptions, on_start: Callable[[dict[str, Any]], None] | Non
     if opts.isolation not in ("strict", "none"):
         raise EvalFailure(USAGE_STAGE, f"--isolation {opts.isolation!r}: must be strict or none")
     device = _resolve_device(opts.device)
+    too_many = gpu_count_error(opts.nproc, device)
+    if too_many:
+        raise EvalFailure(USAGE_STAGE, too_many)
     if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
         _check_out_dir(Path(opts.out_dir))
     pin = opts.profile.data if opts.profile is not None else None
@@ -518,22 +523,24 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         socket_dir=Path(sock_path).parent,
         warm=opts.warm_ranks,
     )
+    cuda_check = start_cuda_check(sandbox.jail, opts.nproc) if device == "cuda" else None  # meanwhile
     gated = _Gated([], None, 0.0)
-    if opts.run_gates:
-        try:
+    try:
+        if opts.run_gates:
             if opts.static_gates:
                 gated = _static_gates(opts, bundle.root)
                 if gated.bundle_sha256 != bundle.sha256:
                     raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
             gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
-        except BaseException:
-            feeder.close()
-            proc.kill()
-            sandbox.guard.kill()
-            if sock_tmp is not None:
-                shutil.rmtree(sock_tmp, ignore_errors=True)
-            _remove_run_dir(run_dir, fresh_dir)
-            raise
+        stack = _cuda_stack(cuda_check, sandbox.jail)
+    except BaseException:
+        feeder.close()
+        proc.kill()
+        sandbox.guard.kill()
+        if sock_tmp is not None:
+            shutil.rmtree(sock_tmp, ignore_errors=True)
+        _remove_run_dir(run_dir, fresh_dir)
+        raise
     feeder.release()
     t_release = feeder.released_at or time.monotonic()
     findings, param_count_gate = gated.findings, gated.parameter_count
@@ -611,9 +618,26 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     )
     manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
+    manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _cuda_stack(check: CudaCheck | None, jail: Jail) -> dict[str, Any]:
+    """The GPU stack the CUDA check child saw inside the sandbox (:mod:`~prism_challenge.evaluator.gpu`),
+    or the CPU record when there is no check.
+
+    Raises:
+        EvalFailure: stage ``isolation``: CUDA does not initialise there, with its error.
+    """
+    if check is None:
+        return cpu_stack()
+    try:
+        return check.result()
+    except CudaCheckError as exc:
+        who = f" as the sandbox uid {jail.uid}" if jail.uid is not None else ""
+        raise EvalFailure("isolation", f"CUDA does not initialise inside the sandbox{who}: {exc}") from None
 
 
 def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | None:

@@ -22,7 +22,6 @@ import importlib
 import math
 import os
 import platform
-import resource
 import socket
 import sys
 import traceback
@@ -35,6 +34,7 @@ from torch import nn
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
+from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
@@ -235,13 +235,6 @@ class Runtime:
             raise self.contract_error(str(exc)) from None
 
 
-def _peak_memory() -> dict[str, int]:
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
-    return out
-
-
 def _tail(exc: BaseException) -> str:
     lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
     return "\n".join(lines[-TRACEBACK_LINES:])
@@ -317,7 +310,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         else:
             runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
         return 1
-    done: dict[str, Any] = {**_peak_memory(), "device_name": _device_name(device)}
+    done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
     model = runtime.scored_model
     if model is not None:
         runtime.stage = "state"
