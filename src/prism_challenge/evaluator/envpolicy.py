@@ -49,7 +49,9 @@ RANK_NETWORK_ENV: dict[str, str] = {
     "NCCL_SOCKET_IFNAME": "lo",  # NCCL's bootstrap and socket transport: the sandbox has only loopback
     "GLOO_SOCKET_IFNAME": "lo",  # gloo's device (CPU runs and CPU tensors): the same
     "NCCL_IB_DISABLE": "1",  # no InfiniBand probing: nothing but loopback exists in the namespace
-    "NCCL_NET_PLUGIN": "none",  # no network plugin library (libnccl-net*.so) is loaded from the host's paths
+    # no network plugin: NCCL would load libnccl-net.so from the host's library paths; with a name it
+    # looks only for libnccl-net-none.so (and newer NCCL reads "none" as "load none"), then uses its own
+    "NCCL_NET_PLUGIN": "none",
 }
 """Set in every jailed process after the allow-list (one node: the ranks meet on 127.0.0.1)."""
 
