@@ -17,11 +17,15 @@ device memory (:func:`peak_memory`, reported by the rank); on CPU the same field
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Finished, Jail
@@ -47,13 +51,9 @@ def gpu_count_error(nproc: int, device: str, visible: int | None = None) -> str 
     if device != "cuda":
         return None
     if visible is None:
-        import torch
-
         visible = torch.cuda.device_count()
     if nproc <= visible:
         return None
-    import os
-
     mask = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={mask})" if mask is not None else ""
     return f"--nproc {nproc}: {visible} CUDA device(s) are visible{where}; each rank needs one of its own"
@@ -92,8 +92,6 @@ def driver_version(text: str | None = None) -> str | None:
 
 def _one_kernel(index: int) -> float:
     """Create a context on ``cuda:index`` and run one kernel there: ``sum(ones(4) + 1)`` (8.0)."""
-    import torch
-
     return torch.ones(4, device=f"cuda:{index}").add_(1).sum().item()
 
 
@@ -116,8 +114,6 @@ def gpu_stack(cuda: Any = None, nproc: int = 1, kernel: Any = _one_kernel) -> di
     Raises:
         CudaCheckError: no device is visible, fewer than ``nproc``, or CUDA fails on one.
     """
-    import torch
-
     cuda = torch.cuda if cuda is None else cuda
     if not cuda.is_available():
         raise CudaCheckError("torch.cuda.is_available() is False (no device node, driver or libcuda visible)")
@@ -151,10 +147,6 @@ def peak_memory(cuda: Any = None) -> dict[str, int | None]:
     """This rank's peaks: ``peak_rss_bytes`` (``ru_maxrss``), and where CUDA was used
     ``peak_device_bytes`` (``max_memory_allocated``, tensors) and ``peak_reserved_bytes``
     (``max_memory_reserved``, what the caching allocator held), both ``None`` otherwise."""
-    import resource
-
-    import torch
-
     cuda = torch.cuda if cuda is None else cuda
     out: dict[str, int | None] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                   "peak_device_bytes": None, "peak_reserved_bytes": None}
