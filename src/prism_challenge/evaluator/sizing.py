@@ -20,8 +20,10 @@ BASE_TASKS = 256
 and its threads, the bounded children (parameter, held-out)."""
 TASKS_PER_CUDA_RANK = 256
 """Tasks of one CUDA rank: its intra-op threads, the CUDA driver's threads, NCCL's proxy,
-watchdog and heartbeat threads per communicator, Triton's and inductor's helpers (about 40 seen
-in such a process; the rest is margin). A fork bomb is still stopped at the sum."""
+watchdog and heartbeat threads per communicator, Triton's and inductor's helpers. An estimate
+with a wide margin, not yet measured on a GPU host (``bench/gpu_smoke.py`` runs there; the
+manifest's ``isolation.guard.peak_tasks`` shows what a run used). A fork bomb is still stopped
+at the sum."""
 TMP_PER_CUDA_RANK = 512 << 20
 """``/tmp`` bytes per CUDA rank: inductor's and Triton's caches (``/tmp/torchinductor_*``,
 ``$HOME/.triton`` with ``HOME=/tmp``), the kernels each rank compiles and the CUDA JIT cache."""
