@@ -26,7 +26,8 @@ Goals (issue 2): time ratio <= 1.02 on the example; throughput ratio >= 0.95 on 
 Harness and bare runs alternate in ABBA order (on this 2-core VM the second run of a back-to-back
 pair is often the faster one, by up to a third on the trivial bundle); medians are printed, and
 every run. Usage:
-``python bench/overhead.py [--repeats 4] [--trivial-repeats 10] [--example-tokens 100000] [--only trivial]``
+``python bench/overhead.py [--repeats 4] [--trivial-repeats 10] [--example-tokens 100000] [--only trivial]
+[--device cuda]`` (``bench/gpu_smoke.py`` runs both bundles on a GPU host).
 """
 
 from __future__ import annotations
@@ -65,19 +66,19 @@ def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -
 
 
 def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation: str = "strict",
-                heldout_bytes: int = 0, warm_ranks: bool = True) -> dict:
+                heldout_bytes: int = 0, warm_ranks: bool = True, device: str = "cpu") -> dict:
     """One scored run as the user runs it: the whole ``prism eval`` command in its own process
     (``python -m prism_challenge.cli eval``; with ``warm_ranks=False`` the same pipeline through
-    ``evaluate()`` with cold ranks). Seconds; see the module docstring."""
+    ``evaluate()`` with cold ranks) on ``device``. Seconds; see the module docstring."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "run"
         if warm_ranks:
             cmd = [sys.executable, "-m", "prism_challenge.cli", "eval", bundle, "--token-budget", str(tokens),
-                   "--seq-len", str(seq_len), "--threads", str(threads), "--out", str(out), "--device", "cpu",
+                   "--seq-len", str(seq_len), "--threads", str(threads), "--out", str(out), "--device", device,
                    "--isolation", isolation, "--heldout-bytes", str(heldout_bytes), "--no-progress"]
         else:
             opts = dict(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads, out_dir=str(out),
-                        device="cpu", isolation=isolation, heldout_bytes=heldout_bytes, warm_ranks=False)
+                        device=device, isolation=isolation, heldout_bytes=heldout_bytes, warm_ranks=False)
             cmd = [sys.executable, "-c", "import sys, json; from prism_challenge.pipeline import EvalOptions, evaluate; "
                    "evaluate(EvalOptions(**json.loads(sys.argv[1])))", json.dumps(opts)]
         t0 = time.time()
@@ -96,13 +97,14 @@ def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation:
             "heldout": heldout}
 
 
-def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int, audit: bool = False) -> dict:
+def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int, audit: bool = False,
+             device: str = "cpu") -> dict:
     """The bare script's whole process: its launch -> its last batch (``audit``: with the
-    runtime audit hook armed, as in a rank)."""
+    runtime audit hook armed, as in a rank), on ``device``."""
     t0 = time.time()
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bare_loop.py"), bundle, str(batches), "--vocab-size", str(vocab),
-         "--seq-len", str(seq_len), "--threads", str(threads), *(["--audit"] if audit else [])],
+         "--seq-len", str(seq_len), "--threads", str(threads), "--device", device, *(["--audit"] if audit else [])],
         check=True, capture_output=True, text=True, env={**os.environ, **compute_env(threads)},
     )
     rec = json.loads(out.stdout.strip().splitlines()[-1])
@@ -137,6 +139,7 @@ def bench_cases(a: argparse.Namespace) -> list[tuple[str, str, int, int, int, in
 def main() -> None:
     p = bench_arguments(__doc__.split("\n")[0])
     p.add_argument("--isolation", choices=["strict", "none"], default="strict")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run")
     p.add_argument("--cold-ranks", action="store_true",
                    help="start every rank after torchrun's agent (no warm ranks): what they save")
     a = p.parse_args()
@@ -147,15 +150,18 @@ def main() -> None:
             h, b = [], []
             for i in range(repeats):  # ABBA order: on this VM the second run of a pair is often faster
                 if i % 2:
-                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
-                h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation, warm_ranks=not a.cold_ranks))
+                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads, device=a.device))
+                h.append(run_harness(bundle, tokens, seq_len, a.threads, a.isolation, warm_ranks=not a.cold_ranks,
+                                     device=a.device))
                 if not i % 2:
-                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads))
-            hooked = [run_bare(bundle, npz, vocab, seq_len, a.threads, audit=True) for _ in range(max(2, repeats // 2))]
+                    b.append(run_bare(bundle, npz, vocab, seq_len, a.threads, device=a.device))
+            hooked = [run_bare(bundle, npz, vocab, seq_len, a.threads, audit=True, device=a.device)
+                      for _ in range(max(2, repeats // 2))]
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
         hw, he, ht, bt = med(h, "whole"), med(h, "exposed"), med(h, "total"), med(b, "total")
         hs, bs, bas = med(h, "stream"), med(b, "stream"), med(hooked, "stream")
-        print(f"== {name}: {tokens:,} tokens, {repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}"
+        print(f"== {name}: {tokens:,} tokens, {repeats} repeats (medians), {a.threads} threads, isolation {a.isolation}, "
+              f"device {a.device}"
               f"{', cold ranks' if a.cold_ranks else ''}")
         print(f"   HEADLINE whole command (prism eval start, gates included -> last scored batch) {hw:8.3f} s | "
               f"bare script's whole process (launch -> last batch) {bt:8.3f} s")

@@ -387,3 +387,25 @@ def test_a_hostile_frame_header_is_a_protocol_error(header, why):
         finally:
             a.close()
             b.close()
+
+
+def test_a_rank_still_compiling_its_first_forward_is_not_a_stall(tmp_path):
+    # rank 1 recorded batch 0; rank 0 took it and is still in its first scoring forward (a first
+    # torch.compile can take minutes): its stall clock starts at its first record, so until then
+    # it is held to first_timeout (prism eval: --idle-timeout), not to the rank timeout
+    f = make_feeder(tmp_path, world_size=2)
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    r0.next(2, 5), r1.next(2, 5)
+    early(r1, 0, 1.0, 2, 5)
+    threading.Event().wait(0.5)
+    assert f.check_stall(0.2, first_timeout=30.0) is None
+    stalled = f.check_stall(0.2, first_timeout=0.3)  # past its first-record allowance: hung
+    assert stalled is not None and stalled[0] == "consistency" and stalled[2] == 0
+    assert "rank 0 made no progress" in stalled[1]
+    early(r0, 0, 1.0, 2, 5)  # its first record: from now on the rank timeout holds it
+    for _ in range(100):
+        if f.check_stall(0.2, first_timeout=30.0) is None:
+            break
+        threading.Event().wait(0.01)
+    assert f.check_stall(0.2, first_timeout=30.0) is None  # both took one batch: in step
+    f.finish()

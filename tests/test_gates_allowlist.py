@@ -65,7 +65,7 @@ def test_red_team_library_loaded_by_path_is_refused(tmp_path):
     "top,body,needle,named",
     [
         ("", "n = torch.ops.aten.add(1, 2)", "ops", "'torch.ops'"),
-        ("", "v = torch.backends.cudnn.version()", "cudnn", "'torch.backends.cudnn'"),
+        ("", "v = torch.backends.mps.is_built()", "is_built", "'torch.backends.mps.is_built'"),
         ("", "m = torch.nn.DataParallel(model)", "DataParallel", "'torch.nn.DataParallel'"),
         ("", "s = model.emb.weight.set_()", "set_", "attribute 'set_'"),
         ("", "p = model.emb.weight.as_strided((1,), (1,))", "as_strided", "attribute 'as_strided'"),
@@ -153,7 +153,8 @@ def test_a_deny_rule_keeps_its_own_id_on_its_line(tmp_path):
         ("torch.utils.checkpoint", None),
         ("torch.optim.lr_scheduler", None),
         ("torch.xpu", NOT_ALLOWLISTED),
-        ("torch.backends.cudnn", NOT_ALLOWLISTED),
+        ("torch.backends.cudnn", "prism:determinism"),
+        ("torch.backends.mps.is_built", NOT_ALLOWLISTED),
         ("torch.ops", NOT_ALLOWLISTED),
         ("torch.nn.functional.gelu", None),
         ("torch.nn.functional.has_torch_function", NOT_ALLOWLISTED),

@@ -28,7 +28,7 @@ def findings(body: str) -> list[tuple[str, int]]:
     "from torch.autograd import profiler",
 ])
 def test_wall_clock_and_profiler_imports_are_refused(line):
-    assert findings(line + "\n") == [("prism:nondeterministic", 4)]
+    assert findings(line + "\n") == [("prism:wall-clock", 4)]
 
 
 @pytest.mark.parametrize("expr", [
@@ -38,7 +38,7 @@ def test_wall_clock_and_profiler_imports_are_refused(line):
     "torch.Event()",
 ])
 def test_wall_clock_and_profiler_paths_are_refused(expr):
-    assert findings(f"def f():\n    return {expr}\n") == [("prism:nondeterministic", 5)]
+    assert findings(f"def f():\n    return {expr}\n") == [("prism:wall-clock", 5)]
 
 
 @pytest.mark.parametrize("body, line", [
@@ -77,4 +77,4 @@ def test_order_free_uses_and_lists_pass(body):
 
 
 def test_rules_are_described():
-    assert "set" in RULES["prism:set-order"] and "time" in RULES["prism:nondeterministic"]
+    assert "set" in RULES["prism:set-order"] and "time" in RULES["prism:wall-clock"]

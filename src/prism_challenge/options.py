@@ -23,7 +23,6 @@ from typing import Any
 from prism_challenge.evaluator.jail import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_OPEN_FILES,
-    DEFAULT_MAX_PROCESSES,
     default_memory_limit,
 )
 from prism_challenge.evaluator.launcher import MAX_NPROC
@@ -181,7 +180,9 @@ class EvalOptions:
 
     Isolation: ``"strict"`` (default) runs torchrun and every rank in a sandbox (no network,
     read-only filesystem but the artifacts directory, data and caches hidden, resource limits:
-    ``memory_limit_bytes`` per process, ``max_processes`` tasks, ``max_file_bytes`` per file,
+    ``memory_limit_bytes`` per process, ``max_processes`` tasks (``None``: the layout's, from
+    :func:`~prism_challenge.evaluator.sizing.run_sizes`, which also sizes ``/tmp`` and
+    ``/dev/shm``), ``max_file_bytes`` per file,
     ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
     Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
@@ -222,7 +223,7 @@ class EvalOptions:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
     isolation: str = "strict"
     memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT
-    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    max_processes: int | None = None
     max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES
     max_open_files: int | None = DEFAULT_MAX_OPEN_FILES
     artifacts_quota_bytes: int | None = DEFAULT_ARTIFACTS_QUOTA

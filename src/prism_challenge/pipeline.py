@@ -44,6 +44,9 @@ from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
 from prism_challenge.control import CANCELLED_MESSAGE, RunControl
 from prism_challenge.events import BatchScored
 from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, EvalFailure  # noqa: F401
+from prism_challenge.evaluator.gpu import CudaCheck, CudaCheckError, cpu_stack, gpu_count_error, start_cuda_check
+from prism_challenge.evaluator.gpu import manifest_record as gpu_record
+from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
@@ -213,6 +216,9 @@ def evaluate(opts: EvalOptions, control: RunControl | None = None) -> EvalOutcom
     if opts.isolation not in ("strict", "none"):
         raise EvalFailure(USAGE_STAGE, f"--isolation {opts.isolation!r}: must be strict or none")
     device = _resolve_device(opts.device)
+    too_many = gpu_count_error(opts.nproc, device)
+    if too_many:
+        raise EvalFailure(USAGE_STAGE, too_many)
     if opts.out_dir:  # before the data is built or verified: a bad --out is a usage error
         _check_out_dir(Path(opts.out_dir))
     pin = opts.profile.data if opts.profile is not None else None
@@ -334,17 +340,19 @@ class _Sandbox:
 def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path, bundle: Bundle,
              device: str) -> _Sandbox:
     """Open the jail (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
+    sizes = run_sizes(opts.nproc, device)
+    tasks = sizes.max_processes if opts.max_processes is None else opts.max_processes
     limits = Limits(
         address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
         # RLIMIT_NPROC counts every task of the uid: only meaningful for the dedicated sandbox uid
-        max_processes=opts.max_processes if opts.isolation == "strict" and os.geteuid() == 0 else None,
+        max_processes=tasks if opts.isolation == "strict" and os.geteuid() == 0 else None,
         max_file_bytes=opts.max_file_bytes,
         max_open_files=opts.max_open_files,
     )
     hidden = [str(p) for p in _hidden(data_root, run_dir)]
     try:
         jail = Jail.open(opts.isolation, bundle_dir=bundle.root, hidden=hidden, limits=limits, threads=opts.threads,
-                         audit=opts.audit_hooks)
+                         audit=opts.audit_hooks, tmp_bytes=sizes.tmp_bytes, shm_bytes=sizes.shm_bytes)
     except IsolationError as exc:
         raise EvalFailure("isolation", str(exc)) from None
     guard = Guard([artifacts], quota_bytes=opts.artifacts_quota_bytes, uid=jail.uid, max_processes=limits.max_processes,
@@ -447,9 +455,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         socket_dir=Path(sock_path).parent,
         warm=opts.warm_ranks,
     )
+    cuda_check = start_cuda_check(sandbox.jail, opts.nproc) if device == "cuda" else None  # meanwhile
     gated = _Gated([], None, 0.0)
-    if opts.run_gates:
-        try:
+    try:
+        if opts.run_gates:
             with control.stage("gates"):
                 if opts.static_gates:
                     gated = _static_gates(opts, bundle.root)
@@ -457,14 +466,15 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                         raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
                 gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
             control.check()
-        except BaseException:
-            feeder.close()
-            proc.kill()
-            sandbox.guard.kill()
-            if sock_tmp is not None:
-                shutil.rmtree(sock_tmp, ignore_errors=True)
-            _remove_run_dir(run_dir, fresh_dir)
-            raise
+        stack = _cuda_stack(cuda_check, sandbox.jail)
+    except BaseException:
+        feeder.close()
+        proc.kill()
+        sandbox.guard.kill()
+        if sock_tmp is not None:
+            shutil.rmtree(sock_tmp, ignore_errors=True)
+        _remove_run_dir(run_dir, fresh_dir)
+        raise
     feeder.release()
     t_release = feeder.released_at or time.monotonic()
     findings, param_count_gate = gated.findings, gated.parameter_count
@@ -552,10 +562,27 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     )
     manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
+    manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     with control.stage("manifest", check=False):
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _cuda_stack(check: CudaCheck | None, jail: Jail) -> dict[str, Any]:
+    """The GPU stack the CUDA check child saw inside the sandbox (:mod:`~prism_challenge.evaluator.gpu`),
+    or the CPU record when there is no check.
+
+    Raises:
+        EvalFailure: stage ``isolation``: CUDA does not initialise there, with its error.
+    """
+    if check is None:
+        return cpu_stack()
+    try:
+        return check.result()
+    except CudaCheckError as exc:
+        who = f" as the sandbox uid {jail.uid}" if jail.uid is not None else ""
+        raise EvalFailure("isolation", f"CUDA does not initialise inside the sandbox{who}: {exc}") from None
 
 
 def _check_profile(opts: EvalOptions, tokenizer: str, data) -> dict[str, Any] | None:
@@ -602,7 +629,8 @@ def _watch(opts: EvalOptions, proc, feeder: Feeder, guard: Guard | None, t_relea
         if never is not None:  # nothing scored and nothing coming: fail now, not when the budget ends
             feeder.fail("contract", f"{never} [--idle-timeout {opts.idle_timeout:g} s]")
             return "failure"
-        stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout)
+        stalled = feeder.check_stall(opts.rank_timeout if opts.nproc > 1 else opts.idle_timeout,
+                                     first_timeout=opts.idle_timeout)  # a first compile is no stall
         if stalled is not None:
             stage, message, rank = stalled
             if stage == "stalled":  # one rank stuck after its last batch: stop, score what was scored

@@ -689,7 +689,7 @@ class Feeder:
                 f"(ranks must stay identical, e.g. through DDP)",
             )
 
-    def check_stall(self, timeout: float) -> tuple[str, str, int] | None:
+    def check_stall(self, timeout: float, first_timeout: float | None = None) -> tuple[str, str, int] | None:
         """A rank silent for ``timeout`` s: stuck, or out of step with the others.
 
         Returns (stage, message, rank), or ``None``. World size 1: stage ``"stalled"`` once the
@@ -698,7 +698,13 @@ class Feeder:
         cases: another rank already left the stream (the silent rank is most likely blocked in a
         collective the leaver never joins), or another rank is ahead of it (the silent rank hangs).
         A loop that never takes its first batch is :meth:`check_first_batch`'s.
+
+        A rank's stall clock starts at its first loss record: before it, its first scoring
+        forward may be compiling (a first ``torch.compile`` takes minutes on a large model), so
+        a rank that has recorded nothing yet is held to ``first_timeout`` s instead (default
+        ``timeout``; ``prism eval`` passes ``--idle-timeout``).
         """
+        first = timeout if first_timeout is None else first_timeout
         now = time.monotonic()
         if self.world_size == 1:
             st = self._ranks.get(0)
@@ -711,7 +717,8 @@ class Feeder:
         with self._lock:
             ranks = list(self._ranks.values())
         for st in ranks:
-            if st.done is not None or st.left or st.ended or now - st.last_active < timeout:
+            limit = timeout if st.taken else first
+            if st.done is not None or st.left or st.ended or now - st.last_active < limit:
                 continue
             quiet = now - st.last_active
             leavers = [o for o in ranks if (o.left or o.done is not None) and not o.ended]

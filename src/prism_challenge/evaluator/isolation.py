@@ -202,8 +202,7 @@ ETC_FILES = (
     "hosts", "host.conf", "gai.conf",  # "localhost" for torchrun's rendezvous and gloo
     "localtime",  # time.localtime (a link into /usr/share/zoneinfo: its target is bound)
     "alternatives",  # symlinks only: /usr/bin/cc, c++, awk... resolve through it
-    "nccl.conf",  # NCCL's settings, when present
-)
+)  # not nccl.conf: NCCL's settings are the jail's environment alone (evaluator/envpolicy.py)
 # sysfs, the same subset flatpak exposes: CPU and NUMA topology (sysconf, OpenMP), PCI and GPU
 # topology (CUDA, NVML, NCCL). Kernel state, no host files; read-only.
 SYS_TREES = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
@@ -262,7 +261,9 @@ def _default_readable() -> list[str]:
     import prism_challenge
 
     out.append(str(Path(prism_challenge.__file__).resolve().parents[1]))
-    out += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p and os.path.isabs(p)]
+    from prism_challenge.evaluator.envpolicy import ld_library_dirs
+
+    out += ld_library_dirs()
     seen, uniq = set(), []
     for p in out:
         rp = os.path.realpath(p)

@@ -8,7 +8,7 @@ all get the same:
   its salt and PRISM's caches hidden, the frozen bundle read-only, only the child's own writable
   directory and a private ``/tmp`` writable;
 * **environment** (:func:`child_env`): the allow-listed part of the parent's environment
-  (:func:`~prism_challenge.evaluator.launcher.sandbox_env`), the compute settings
+  (:func:`~prism_challenge.evaluator.envpolicy.sandbox_env`: an allow-list, loopback-only NCCL and gloo), the compute settings
   (:func:`~prism_challenge.evaluator.launcher.compute_env`), no bytecode writing;
 * **identity and limits**: the sandbox uid when PRISM runs as root, the same
   :class:`~prism_challenge.evaluator.isolation.Limits`; memory is held by a cgroup v2
@@ -37,6 +37,8 @@ from typing import Any
 
 from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, ENV_OFF, describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import (
+    DEFAULT_SHM_BYTES,
+    DEFAULT_TMP_BYTES,
     IsolationError,
     Limits,
     available_backend,
@@ -44,7 +46,8 @@ from prism_challenge.evaluator.isolation import (
     pick_sandbox_uid,
     sandbox_prefix,
 )
-from prism_challenge.evaluator.launcher import compute_env, sandbox_env
+from prism_challenge.evaluator.envpolicy import sandbox_env
+from prism_challenge.evaluator.launcher import compute_env
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
@@ -205,6 +208,8 @@ class Jail:
         backend, uid: the sandbox backend and uid (``None`` without a sandbox / not root).
         audit: arm the audit hooks in the children (``False`` only in tests of the sandbox
             by itself).
+        tmp_bytes, shm_bytes: sizes of the sandbox's private ``/tmp`` and ``/dev/shm``
+            (:func:`~prism_challenge.evaluator.sizing.run_sizes`).
     """
 
     mode: str
@@ -220,10 +225,13 @@ class Jail:
     children: list[subprocess.Popen] = field(default_factory=list)
     killed: bool = False  # kill_all() ran: no new child starts
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    tmp_bytes: int = DEFAULT_TMP_BYTES
+    shm_bytes: int = DEFAULT_SHM_BYTES
 
     @classmethod
     def open(cls, mode: str, *, bundle_dir: str | os.PathLike[str], hidden: Sequence[str | os.PathLike[str]],
-             limits: Limits, threads: int, audit: bool = True) -> Jail:
+             limits: Limits, threads: int, audit: bool = True, tmp_bytes: int = DEFAULT_TMP_BYTES,
+             shm_bytes: int = DEFAULT_SHM_BYTES) -> Jail:
         """Probe the sandbox once and pick the uid.
 
         Raises:
@@ -231,13 +239,14 @@ class Jail:
         """
         if mode not in ("strict", "none"):
             raise IsolationError(f"isolation mode {mode!r}: expected strict or none")
+        sizes = {"tmp_bytes": tmp_bytes, "shm_bytes": shm_bytes}
         if mode == "none":
-            return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, audit=audit)
+            return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, audit=audit, **sizes)
         backend = available_backend()
         if backend is None:
             sandbox_prefix("strict", writable=[], hidden=[], tmp_dir=None, socket_dir=None, bundle_dir=None)
         uid = pick_sandbox_uid() if os.geteuid() == 0 else None
-        return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, backend, uid, audit)
+        return cls(mode, str(bundle_dir), tuple(map(str, hidden)), limits, threads, backend, uid, audit, **sizes)
 
     @property
     def isolated(self) -> bool:
@@ -256,7 +265,8 @@ class Jail:
             return list(argv)
         prefix = sandbox_prefix("strict", writable=list(writable), hidden=list(self.hidden), tmp_dir=None,
                                 socket_dir=socket_dir, bundle_dir=self.bundle_dir, limits=limits or self.limits,
-                                uid=self.uid, backend=self.backend)
+                                uid=self.uid, backend=self.backend, tmp_bytes=self.tmp_bytes,
+                                shm_bytes=self.shm_bytes)
         return prefix + list(argv)
 
     def _memory(self) -> tuple[Limits, MemoryCgroup | None]:
@@ -366,6 +376,7 @@ class Jail:
         """What the manifest records of the jail."""
         return {"mode": self.mode, "isolated": self.isolated, "backend": self.backend, "uid": self.uid,
                 "hidden": list(self.hidden), "limits": vars(self.limits).copy(),
+                "tmp_bytes": self.tmp_bytes, "shm_bytes": self.shm_bytes,
                 "memory_limit_by": self.memory_by, "audit_hooks": self.audit,
                 "audit_exit_code": AUDIT_EXIT_CODE}
 

@@ -1,6 +1,7 @@
 """The launcher: starts the runner under the real ``torchrun`` on one node.
 
-``torchrun --standalone --nnodes=1 --nproc-per-node=N -m prism_challenge.evaluator.rank``
+``torchrun --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1 --nnodes=1
+--nproc-per-node=N -m prism_challenge.evaluator.rank``
 runs as a child process in its own process group (so the whole tree can be stopped), with
 stdout and stderr going to the run's log file. By default it runs under the pool of warm ranks
 (:mod:`~prism_challenge.evaluator.warm`), which starts the N rank processes alongside it. The environment (:func:`compute_env`) fixes the
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR, sandbox_env  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
@@ -47,13 +50,25 @@ def check_layout(nproc: int, nnodes: int = 1) -> None:
 
 
 def torchrun_command(nproc: int) -> list[str]:
-    """The argv that starts ``nproc`` runner ranks under torchrun (same interpreter)."""
+    """The argv that starts ``nproc`` runner ranks under torchrun (same interpreter).
+
+    The rendezvous is what torchrun's ``--standalone`` makes (a c10d store of the agent's own on
+    a free port) with every address pinned to
+    :data:`~prism_challenge.evaluator.envpolicy.RENDEZVOUS_ADDR`: ``--standalone`` itself
+    listens on ``localhost`` and publishes ``socket.getfqdn()`` as ``MASTER_ADDR``, and where
+    the host's name does not resolve to loopback (containers, Kubernetes, cloud VMs) the ranks
+    wait for a store they cannot reach until the idle timeout. The run id is fixed: the store
+    is private to this launch (its own port, in the sandbox's own network namespace).
+    """
     check_layout(nproc)
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={RENDEZVOUS_ADDR}:0",
+        "--rdzv-id=prism",
+        f"--local-addr={RENDEZVOUS_ADDR}",
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
@@ -69,19 +84,6 @@ def warm_pool_command(nproc: int) -> list[str]:
     torchrun's agent starts, and its workers hand their ranks to them."""
     check_layout(nproc)
     return [sys.executable, "-m", WARM_POOL_MODULE, str(nproc), "--"]
-
-
-ENV_KEEP = {"PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
-ENV_KEEP_PREFIXES = ("LC_", "NCCL_", "NVIDIA_")
-
-
-def sandbox_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
-    """The part of ``environ`` a sandboxed run may see: locale, ``PATH``, ``PYTHONPATH`` and the
-    GPU selection; ``HOME`` points at the sandbox's private ``/tmp``. Everything else (API tokens,
-    cloud keys, agent sockets) is dropped."""
-    env = {k: v for k, v in environ.items() if k in ENV_KEEP or k.startswith(ENV_KEEP_PREFIXES)}
-    env["HOME"] = "/tmp"
-    return env
 
 
 def compute_env(threads: int) -> dict[str, str]:

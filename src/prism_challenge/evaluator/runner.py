@@ -22,7 +22,6 @@ import importlib
 import math
 import os
 import platform
-import resource
 import socket
 import sys
 import traceback
@@ -35,10 +34,17 @@ from torch import nn
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
+from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
-from prism_challenge.evaluator.seeding import force_determinism, force_seeds, force_source_imports
+from prism_challenge.evaluator.seeding import (
+    determinism_change,
+    determinism_flags,
+    force_determinism,
+    force_seeds,
+    force_source_imports,
+)
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
@@ -66,6 +72,7 @@ class Runtime:
         self._build_fn: Callable[..., nn.Module] | None = None
         self.models: list[nn.Module] = []
         self.scored_model: nn.Module | None = None
+        self.determinism = determinism_flags()  # as force_determinism left them (built after it)
 
     # -- reporting ---------------------------------------------------------------------------
     def report_error(self, stage: str, message: str, tb: str = "") -> None:
@@ -164,6 +171,7 @@ class Runtime:
             tokens = torch.frombuffer(payload, dtype=torch.int64).view(rows, cols)
             if self.device != "cpu":
                 tokens = tokens.to(self.device, non_blocking=False)
+            self._check_determinism(step)
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
@@ -185,6 +193,18 @@ class Runtime:
                 protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
                 raise
             step += 1
+
+    def _check_determinism(self, step: int) -> None:
+        """Fail the run (stage contract) when the loop switched forced determinism or precision
+        off before batch ``step`` (the gate refuses the switches; this backs it at run time).
+
+        Raises:
+            ContractError: naming the batch and the flag.
+        """
+        changed = determinism_change(self.determinism)
+        if changed is not None:
+            raise self.contract_error(f"batch {step}: {changed}: a submission may not switch forced determinism "
+                                      f"or float precision (prism:determinism)")
 
     def _check_census(self, model: nn.Module, census: TensorCensus, tokens: torch.Tensor, step: int) -> None:
         """Hold what the scored forward read (registered or not) to the parameter cap.
@@ -213,13 +233,6 @@ class Runtime:
             return [t for group in module_tensors(model) for t in group]
         except ObjectGraphTooLarge as exc:
             raise self.contract_error(str(exc)) from None
-
-
-def _peak_memory() -> dict[str, int]:
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
-    return out
 
 
 def _tail(exc: BaseException) -> str:
@@ -297,7 +310,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         else:
             runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
         return 1
-    done: dict[str, Any] = {**_peak_memory(), "device_name": _device_name(device)}
+    done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
     model = runtime.scored_model
     if model is not None:
         runtime.stage = "state"

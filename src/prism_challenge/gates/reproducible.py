@@ -6,7 +6,7 @@ of a bundle differed, 3.3719 vs 3.3722 bpb, and 3.324 vs 3.309). Two sources the
 * **Timing.** The wall clock (``time``, ``datetime``, ``timeit``) and the profilers
   (``torch.profiler``, ``torch.autograd.profiler``, ``torch.cuda.Event``) give a different
   value on every run; code that branches on them (a schedule by elapsed seconds, a step skipped
-  when it was slow) trains differently. Refused as ``prism:nondeterministic``.
+  when it was slow) trains differently. Refused as ``prism:wall-clock``.
 * **Set order.** A ``set`` or ``frozenset`` is iterated in the order of its elements' hashes.
   A tensor's, a parameter's or a module's hash is its memory address, which differs between
   runs, so ``AdamW({*model.parameters()})`` or ``for p in set(params)`` builds the optimizer's
@@ -35,12 +35,12 @@ import ast
 from prism_challenge.gates.astindex import lookup
 
 SET_ORDER = "prism:set-order"
-NONDETERMINISTIC = "prism:nondeterministic"
+WALL_CLOCK = "prism:wall-clock"
 
 CLOCK_MODULES = "time datetime timeit torch.profiler torch.autograd.profiler " \
     "torch.autograd.profiler_util torch.cuda.Event torch.Event torch.cpu.Event torch.xpu.Event"
 """Wall-clock and profiler modules and classes (space-separated), refused as
-:data:`NONDETERMINISTIC`."""
+:data:`WALL_CLOCK`."""
 
 ORDER_FREE_BUILTINS = frozenset({"builtins.len", "builtins.sorted", "builtins.set", "builtins.frozenset",
                                  "builtins.bool", "builtins.isinstance"})

@@ -54,9 +54,10 @@ FINDING_RULES: dict[str, str] = {
     "prism:ctx-private": "a private attribute of ctx or of the harness (ctx._runtime)",
     "prism:private-attr": "an underscore attribute on any object (x._y, x.__z__, getattr, format, match)",
     "prism:ctx-forge": "building a context or an artifacts_dir of one's own",
+    "prism:determinism": "switching forced determinism or float precision (use_deterministic_algorithms, cudnn, TF32)",
     "prism:not-allowlisted": "a path on an allowed module, or an attribute name, that is not on gates/allowlist.toml",
     "prism:too-complex": "a file too deeply nested (or too large) for the gate to parse or check",
-    "prism:nondeterministic": "the wall clock or a profiler (time, datetime, timeit, torch.profiler, torch.cuda.Event)",
+    "prism:wall-clock": "the wall clock or a profiler (time, datetime, timeit, torch.profiler, torch.cuda.Event)",
     "prism:set-order": "iterating a set or frozenset (its order is its elements' hashes: memory addresses for tensors)",
     # multi-GPU contract
     "prism:ddp-init": "training.py never initializes the process group",

@@ -78,7 +78,8 @@ from prism_challenge.gates.allowcheck import AllowlistChecks
 from prism_challenge.gates.bindings import BindingChecks
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
-from prism_challenge.gates.reproducible import CLOCK_MODULES, NONDETERMINISTIC, SetOrderChecks
+from prism_challenge.gates.reproducible import CLOCK_MODULES, WALL_CLOCK, SetOrderChecks
+from prism_challenge.gates.determinism import DETERMINISM, determinism_rule
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.live import live_name, live_object, live_origin
 
@@ -168,7 +169,7 @@ BLOCKED_MODULES: dict[str, str] = {
         "torch.monitor",
     ),
     **_group(INTER, "pdb bdb pydoc readline rlcompleter getpass tkinter turtle curses cmd"),
-    **_group(NONDETERMINISTIC, CLOCK_MODULES),
+    **_group(WALL_CLOCK, CLOCK_MODULES),
 }
 """Module (or module prefix) -> the rule its import or use breaks."""
 
@@ -483,7 +484,7 @@ def module_rule(modname: str, own: set[str]) -> tuple[str, str] | None:
         rule = BLOCKED_MODULES.get(".".join(parts[:i]))
         if rule:
             return rule, f"module '{modname}' is blocked"
-    hit = namespace_rule(modname)
+    hit = determinism_rule(modname) or namespace_rule(modname)
     if hit:
         return hit
     if any(p.startswith("_") and p not in SAFE_DUNDER_READS for p in parts[1:]):
@@ -1004,6 +1005,8 @@ class Checker(AllowlistChecks, BindingChecks, SetOrderChecks):
                 attr = q.rsplit(".", 1)[-1]
                 line, col = self.name_position(node, attr)
                 self.add_at(rule, line, col, f"'{q}' is not on the allow-list ({ALLOWLIST_FILE})")
+            elif rule == DETERMINISM:  # its reason names what the path switches
+                self.add(rule, node, module_rule(q, self.own)[1])
             else:
                 self.add(rule, node, f"'{q}' is blocked")
 
