@@ -94,6 +94,19 @@ AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bf
 """``prism.yaml``'s ``scoring_autocast`` values (:data:`prism_challenge.bundle.SCORING_AUTOCAST`)
 -> the autocast dtype the harness runs its scoring forwards under (``None``: no autocast)."""
 
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """The autocast dtype of a ``scoring_autocast`` value (``None``: the default, no autocast).
+
+    Raises:
+        ValueError: a value that is not a key of :data:`AUTOCAST_DTYPES`.
+    """
+    if name is None:
+        return None
+    if name not in AUTOCAST_DTYPES:
+        raise ValueError(f"scoring_autocast must be one of {', '.join(AUTOCAST_DTYPES)}, got {name!r}")
+    return AUTOCAST_DTYPES[name]
+
+
 PROBE_TOLERANCE_NATS: dict[torch.dtype, float] = {
     torch.float64: 1e-4,
     torch.float32: 1e-4,
