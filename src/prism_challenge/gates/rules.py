@@ -54,11 +54,12 @@ FINDING_RULES: dict[str, str] = {
     "prism:ctx-private": "a private attribute of ctx or of the harness (ctx._runtime)",
     "prism:private-attr": "an underscore attribute on any object (x._y, x.__z__, getattr, format, match)",
     "prism:ctx-forge": "building a context or an artifacts_dir of one's own",
+    "prism:sharded-model": "FSDP, fully_shard, DTensor or a DeviceMesh: sharded models are not supported (use DDP)",
     "prism:not-allowlisted": "a path on an allowed module, or an attribute name, that is not on gates/allowlist.toml",
     "prism:too-complex": "a file too deeply nested (or too large) for the gate to parse or check",
     # multi-GPU contract
     "prism:ddp-init": "training.py never initializes the process group",
-    "prism:ddp-wrap": "training.py never wraps the model in DDP or FSDP",
+    "prism:ddp-wrap": "training.py never wraps the model in DDP",
     "prism:ddp-rank0-write": "a write (torch.save) is not guarded by a rank-0 test",
     "prism:ddp-destroy": "training.py never destroys the process group",
     "prism:launch-limit": "more than 8 processes, several nodes, or a non-local rendezvous",
