@@ -190,7 +190,10 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
 
     Args:
         config: ``bundle_root``, ``architecture`` ``[module, symbol]``, ``seed``, ``threads``,
-            ``vocab_size``, ``tokenizer``, ``sequence_length``, ``max_parameters``, ``device``.
+            ``vocab_size``, ``tokenizer``, ``sequence_length``, ``max_parameters``, ``device``,
+            optionally ``scoring_autocast`` (``prism.yaml``'s; absent: none), ``checks``
+            (``[batch, row, k]``: the blind probe's references, returned as ``check_nats``) or
+            ``blind`` (``[row, k]`` per batch: this is the blind probe's fresh process).
         batches: token batches ``[R, T]`` int64.
         state: a path or a binary file object holding the trained ``state_dict``.
 
