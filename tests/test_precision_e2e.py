@@ -1,6 +1,5 @@
 """Probes in bf16 and in lockstep, end to end through prism eval (issue 14, items 3 and 5)."""
 
-
 import pytest
 
 from prism_challenge.evaluate import EvalOptions, evaluate
