@@ -94,6 +94,7 @@ AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bf
 """``prism.yaml``'s ``scoring_autocast`` values (:data:`prism_challenge.bundle.SCORING_AUTOCAST`)
 -> the autocast dtype the harness runs its scoring forwards under (``None``: no autocast)."""
 
+
 def autocast_dtype(name: str | None) -> torch.dtype | None:
     """The autocast dtype of a ``scoring_autocast`` value (``None``: the default, no autocast).
 
