@@ -302,16 +302,33 @@ def test_probe_schedule_is_fixed_by_the_key_and_differs_between_keys(tmp_path):
     a = Feeder(str(tmp_path / "a.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")
     b = Feeder(str(tmp_path / "b.sock"), iter([]), {}, vocab_size=257, probe_key=b"k1")
     c = Feeder(str(tmp_path / "c.sock"), iter([]), {}, vocab_size=257, probe_key=b"k2")
-    sched = lambda f: [f._probe(step, rank, 8, 64) for step in range(400) for rank in range(2)]  # noqa: E731
+    sched = lambda f: [f._probe(step, 8, 64) for step in range(800)]  # noqa: E731
     sa, sb, sc = sched(a), sched(b), sched(c)
     assert sa == sb and sa != sc
     probed = [p for p in sa if p is not None]
-    # the first PROBE_FIRST steps always, then about PROBE_RATE of the rest (800 draws: 4 + ~50)
-    assert all(sa[i] is not None for i in range(2 * feeder_mod.PROBE_FIRST))
+    # the first PROBE_FIRST steps always, then about PROBE_RATE of the rest (800 draws: 2 + ~50)
+    assert all(sa[i] is not None for i in range(feeder_mod.PROBE_FIRST))
     assert 20 < len(probed) < 100
     assert all(1 <= k < 64 and 1 <= shift < 257 and 0 <= row < 8 for k, shift, row in probed)
     for f in (a, b, c):
         f.close()
+
+
+@pytest.mark.parametrize("key", [b"k1", None])
+def test_every_rank_gets_the_same_probes_at_the_same_steps(tmp_path, key):
+    # lockstep: a collective inside forward needs every rank to run the probe's forward too
+    f = Feeder(str(tmp_path / "f.sock"), iter([]), {}, world_size=3, vocab_size=257, probe_key=key)
+    per_rank = {r: [] for r in range(3)}
+    for step in range(300):
+        for r, rows in ((2, 5), (0, 5), (1, 4)):  # ranks ask in any order; rank 1 holds fewer rows
+            per_rank[r].append(f._probe(step, rows, 64))
+    steps = [[p is not None for p in per_rank[r]] for r in range(3)]
+    assert steps[0] == steps[1] == steps[2] and 5 < sum(steps[0]) < 60
+    for a, b in zip(per_rank[0], per_rank[1]):
+        assert (a is None) == (b is None) and (a is None or (a[:2] == b[:2] and b[2] < 4 and a[2] < 5))
+    assert per_rank[0] == per_rank[2]
+    assert f._draws == {}  # an unkeyed draw is dropped once every rank took it
+    f.close()
 
 
 def test_feeder_refuses_a_batch_shape_outside_the_run_limits(tmp_path):

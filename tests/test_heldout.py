@@ -291,8 +291,9 @@ def test_in_the_sandbox_the_child_cannot_read_the_data(tmp_path, data_dir, train
         assert r[k] == honest[k], k
 
 
-# reads the next token (a roll of the input) and answers a single-row probe of a row it has just
-# seen from its cache: the in-process causality probe is fooled, the blind probe is not
+# reads the next token (a roll of the input) and answers the in-process probe (a batch of the
+# same shape: one row starts as before, the others are shifted by a constant) from its cache:
+# the in-process causality probe is fooled, the blind probe is not
 REPLAY_ARCH = """
 import torch
 import torch.nn.functional as F
@@ -307,11 +308,14 @@ class Peek(nn.Module):
         self.cache = None
 
     def forward(self, tokens):
-        if not self.training and self.cache is not None and tokens.shape[0] == 1:
+        if not self.training and self.cache is not None:
             last, logits = self.cache
-            for r in range(last.shape[0]):
-                if last.shape[1] == tokens.shape[1] and bool((last[r, :1] == tokens[0, :1]).all()):
-                    return logits[r:r + 1].clone()
+            if last.shape == tokens.shape:  # the probe: one row keeps its start, the others are shifted
+                diff = (tokens - last) % self.v
+                kept = diff[:, 0] == 0
+                shifted = (diff == diff[:, :1]).all(dim=1) & ~kept
+                if int(kept.sum()) == 1 and bool((kept | shifted).all()):
+                    return logits.clone()
         out = F.one_hot(torch.roll(tokens, -1, dims=1), self.v).float() * self.alpha
         if not self.training:
             self.cache = (tokens.clone(), out.clone())
@@ -332,7 +336,7 @@ def test_a_model_that_replays_the_probe_is_caught_by_the_blind_probe(tmp_path, d
     msg = str(err.value)
     # the whole row: the next token was read (0 nats); the fresh process saw random tokens there
     assert msg.startswith("contract: the trained model is not causal on held-out text: its prediction of token ")
-    assert "cost 0 nats when it was shown the whole row and 40 nats in a separate process" in msg
+    assert "cost 0 nats when it was shown the whole batch and 40 nats in a separate process" in msg
 
 
 def test_blind_probes_keep_the_prefix_and_replace_the_future():
@@ -340,7 +344,9 @@ def test_blind_probes_keep_the_prefix_and_replace_the_future():
     probes = blind_probes(batches, SEED, V)
     assert len(probes) == 8 and [p[0] for p in probes] == sorted({round(x) for x in np.linspace(0, 19, 8)})
     for b, row, k, probe in probes:
-        assert 1 <= k < 48 and 0 <= row < 4 and probe.shape == (1, 48)
-        assert (probe[0, :k] == batches[b][row, :k]).all()  # the past is kept
-        assert not (probe[0, k:] == batches[b][row, k:]).all()  # the future is not
+        assert 1 <= k < 48 and 0 <= row < 4 and probe.shape == (4, 48) and probe.dtype == np.int64  # like with like
+        assert (probe[row, :k] == batches[b][row, :k]).all()  # the past is kept
+        assert not (probe[row, k:] == batches[b][row, k:]).all()  # the future is not
+        others = np.delete(probe, row, axis=0)
+        assert ((others >= 0) & (others < V)).all() and (others != np.delete(batches[b], row, axis=0)).mean() > 0.9
     assert [p[:3] for p in blind_probes(batches, SEED, V)] == [p[:3] for p in probes]  # deterministic

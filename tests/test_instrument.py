@@ -149,7 +149,7 @@ def test_probe_does_not_consume_the_rng():
     assert torch.equal(after_probe, torch.rand(1))
 
 
-def test_a_model_that_mixes_rows_fails_the_single_row_probe():
+def test_a_model_that_mixes_rows_fails_the_probe():
     class MixRows(Causal):
         def forward(self, tokens):
             out = super().forward(tokens)
@@ -161,7 +161,7 @@ def test_a_model_that_mixes_rows_fails_the_single_row_probe():
         score_batch(MixRows(30), tokens, 30, probe=(9, 1, 1))
 
 
-def test_single_row_probe_matches_the_batch_forward_of_a_causal_model():
+def test_a_probe_of_any_row_matches_the_scored_forward_of_a_causal_model():
     torch.manual_seed(1)
     model, tokens = Causal(50), torch.randint(0, 50, (8, 33))
     for row in range(8):

@@ -8,6 +8,7 @@ A bundle is a directory (or a ``.zip`` of one, see :func:`extract_zip`) holding 
     training:
       entrypoint: training.py:train
     tokenizer: gpt2                              # or "bytes"
+    scoring_autocast: bf16                       # or "fp16"; default "fp32" (no autocast)
 
 Declared names are honoured exactly. The two entrypoints must be distinct files.
 
@@ -49,6 +50,10 @@ SPEC_FILE = "prism.yaml"
 DEFAULT_ARCHITECTURE = ("architecture.py", "build_model")
 DEFAULT_TRAINING = ("training.py", "train")
 DEFAULT_TOKENIZER = "gpt2"
+SCORING_AUTOCAST = ("fp32", "bf16", "fp16")
+"""``scoring_autocast`` values: the dtype the harness's scoring forwards run under
+``torch.autocast`` (stream, probes, held-out); ``fp32`` is no autocast."""
+DEFAULT_SCORING_AUTOCAST = "fp32"
 
 
 SKIPPED_DIRS = frozenset({BYTECODE_DIR})
@@ -117,6 +122,7 @@ class Bundle:
     training: Entrypoint
     tokenizer: str
     file_hashes: dict[str, str] = field(default_factory=dict)
+    scoring_autocast: str = DEFAULT_SCORING_AUTOCAST
 
     @property
     def sha256(self) -> str:
@@ -174,6 +180,18 @@ def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
     """Read ``prism.yaml`` (if any) and return (architecture, training, tokenizer name).
 
     Raises:
+        BundleError: see :func:`read_spec_full`.
+    """
+    return read_spec_full(root)[:3]
+
+
+def read_spec_full(root: Path) -> tuple[Entrypoint, Entrypoint, str, str]:
+    """Read ``prism.yaml`` (if any): (architecture, training, tokenizer name, scoring autocast).
+
+    ``scoring_autocast`` is one of :data:`SCORING_AUTOCAST` (default
+    :data:`DEFAULT_SCORING_AUTOCAST`).
+
+    Raises:
         BundleError: (rule ``prism:spec``) malformed YAML (one line,
             ``prism.yaml line N: not valid YAML: <problem>``, with ``.line`` set), unknown
             fields, bad values, or both entrypoints in one file; the message names the field.
@@ -192,7 +210,7 @@ def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
         if not isinstance(loaded, dict):
             raise _spec_error(f"{SPEC_FILE}: the top level must be a mapping")
         data = loaded
-    unknown = set(data) - {"architecture", "training", "tokenizer", "name", "description"}
+    unknown = set(data) - {"architecture", "training", "tokenizer", "scoring_autocast", "name", "description"}
     if unknown:
         raise _spec_error(f"{SPEC_FILE}: unknown field(s) {sorted(map(str, unknown))}")
 
@@ -209,12 +227,16 @@ def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
     tokenizer = data.get("tokenizer", DEFAULT_TOKENIZER)
     if not isinstance(tokenizer, str):
         raise _spec_error(f"{SPEC_FILE}: field 'tokenizer' must be a string")
+    autocast = data.get("scoring_autocast", DEFAULT_SCORING_AUTOCAST)
+    if not isinstance(autocast, str) or autocast not in SCORING_AUTOCAST:
+        raise _spec_error(f"{SPEC_FILE}: field 'scoring_autocast' must be one of {', '.join(SCORING_AUTOCAST)} "
+                          f"(the dtype of the harness's scoring forward under torch.autocast), got {autocast!r}")
     if arch.file == train.file:
         raise _spec_error(
             f"{SPEC_FILE}: architecture and training entrypoints must be distinct files "
             f"(both are {arch.file})"
         )
-    return arch, train, tokenizer
+    return arch, train, tokenizer, autocast
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -656,11 +678,11 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     root = Path(path).resolve()
     if not root.is_dir():
         raise BundleError(f"{path}: not a bundle directory", "prism:bundle-unreadable")
-    arch, train, tokenizer = read_spec(root)
+    arch, train, tokenizer, autocast = read_spec_full(root)
     for ep, what in ((arch, "architecture"), (train, "training")):
         if not (root / ep.file).is_file():
             raise BundleError(
                 f"{ep.file}: missing {what} entrypoint file in bundle {root}",
                 "prism:missing-entrypoint",
             )
-    return Bundle(root, arch, train, tokenizer, hash_tree(root))
+    return Bundle(root, arch, train, tokenizer, hash_tree(root), autocast)

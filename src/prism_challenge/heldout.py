@@ -18,12 +18,13 @@ cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument
     val_bpb = sum(nats) / ln 2 / sum(target bytes)         (the training score's definition)
     heldout_delta = val_bpb(twin) - val_bpb(trained)       (> 0: the training helped)
 
-**Blind probe.** The in-process causality probe can be answered from a cache by a model that
-remembers the rows it has just scored. So for :data:`BLIND_PROBES` held-out rows
-(:func:`blind_probes`) the trained model's log-probability of a token ``k`` is computed twice:
-in the held-out process from the whole row, and in a second, fresh process that only ever sees
-the row's tokens before ``k`` followed by random tokens. A causal model gives the same value
-(``BLIND_RTOL``); any other outcome is ``HeldoutError("contract: ...")``, which zeroes the run.
+**Probes.** Every held-out batch of the trained model is also probed in process
+(:func:`~prism_challenge.evaluator.instrument.check_causal`; the twin is not: a non-causal twin
+only lowers the delta). The in-process probe can be answered from a cache by a model that
+remembers the rows it has just scored, so the blind probe (:mod:`prism_challenge.blindprobe`)
+recomputes the prediction of a token in a second, fresh process that never saw its future;
+a mismatch is ``HeldoutError("contract: ...")``, which zeroes the run. Every forward runs under
+the bundle's ``scoring_autocast``, as in the stream.
 
 **Process boundary.** The process that scores imports the submission's architecture, so it is
 untrusted from the moment of that import. :func:`run_heldout` therefore keeps everything that
@@ -58,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from prism_challenge.blindprobe import BLIND_PROBES, BlindProbeError, blind_probes, compare, logprobs_at
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.jail import Jail
 
@@ -65,15 +67,15 @@ LN2 = math.log(2.0)
 DEFAULT_MAX_BYTES = 200_000
 TRAINED_STATE_NAME = "prism_trained_state.pt"
 STDERR_TAIL_LINES = 15
-BLIND_PROBES = 8  # held-out rows whose prediction is recomputed in a process that never saw their future
 HELDOUT_LIMITS = Limits(max_file_bytes=64 << 20, max_open_files=1024)
 """The held-out child's limits when it runs without the run's jail (tests, standalone use)."""
-BLIND_RTOL = 1e-4  # the same [1, T] forward on the same prefix: a causal model matches to rounding
 
 __all__ = [
+    "BLIND_PROBES",
     "DEFAULT_MAX_BYTES",
     "TRAINED_STATE_NAME",
     "HeldoutError",
+    "blind_probes",
     "heldout_cuts",
     "run_heldout",
     "score_rows",
@@ -123,55 +125,46 @@ def heldout_cuts(
     return cuts
 
 
-def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, device: str) -> dict[str, Any]:
-    """Score ``model`` on token batches: ``{"nats", "targets", "nonfinite_batches"}``.
+def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, device: str, *, probe: bool = True,
+               autocast: Any = None, picks: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+    """Score ``model`` on token batches: ``{"nats", "targets", "nonfinite_batches", "picked"}``.
 
     ``nats`` is the float64 sum (``math.fsum``) over batches of
-    :func:`~prism_challenge.evaluator.instrument.score_batch`, each non-finite batch replaced by
-    ``2 ln V`` nats per target.
+    :func:`~prism_challenge.evaluator.instrument.measure`'s nats, each non-finite batch replaced
+    by ``2 ln V`` nats per target. ``picked`` holds, for each ``(batch, row, k)`` of ``picks``, the
+    nats of target ``k`` of that row as that batch was scored (the blind probe's reference).
+
+    Args:
+        probe: also probe every batch for causality (row ``i mod B``, ``k = T // 2``).
+        autocast: the scoring autocast dtype (``None``: none).
 
     Raises:
         prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape, or a
-            prediction that depends on a later token (every batch is probed, see
-            :func:`~prism_challenge.evaluator.instrument.check_causal`).
+            prediction that depends on a later token
+            (:func:`~prism_challenge.evaluator.instrument.check_causal`).
     """
     import torch
 
-    from prism_challenge.evaluator.instrument import charge, score_batch
+    from prism_challenge.evaluator.instrument import charge, measure
 
-    parts, targets, nonfinite = [], 0, 0
+    parts, targets, nonfinite, picked = [], 0, 0, []
+    wanted: dict[int, list[tuple[int, int]]] = {}
+    for b, row, k in picks:
+        wanted.setdefault(int(b), []).append((int(row), int(k)))
     for i, arr in enumerate(batches):
         tokens = torch.tensor(arr, dtype=torch.int64)  # a copy: the model may write to its input
         if device != "cpu":
             tokens = tokens.to(device)
         n_targets = int(arr.shape[0] * (arr.shape[1] - 1))
-        # every held-out batch is also probed for causality (the trained model is frozen here)
-        probe = (max(1, arr.shape[1] // 2), 1 + i % (vocab_size - 1))
-        nats, finite = charge(score_batch(model, tokens, vocab_size, probe), n_targets, vocab_size)
+        rows, t = arr.shape
+        spec = (max(1, t // 2), 1 + i % (vocab_size - 1), i % rows) if probe else None
+        scored = measure(model, tokens, vocab_size, spec, autocast=autocast)
+        nats, finite = charge(scored.nats, n_targets, vocab_size)
+        picked += [0.0 - float(scored.logprobs[row, k - 1]) for row, k in wanted.get(i, ())]
         parts.append(nats)
         targets += n_targets
         nonfinite += not finite
-    return {"nats": math.fsum(parts), "targets": targets, "nonfinite_batches": nonfinite}
-
-
-def _logprobs_at(model: Any, row: np.ndarray, pos: int, vocab_size: int, device: str) -> bytes:
-    """float32 log-probabilities ``[V]`` of the next token at position ``pos`` of ``row`` ``[1, T]``
-    (eval mode, ``no_grad``, logits sliced to ``V``, as the instrument scores).
-
-    Raises:
-        prism_challenge.evaluator.instrument.ContractError: logits of the wrong shape.
-    """
-    import torch
-
-    from prism_challenge.evaluator.instrument import check_logits
-
-    tokens = torch.tensor(row, dtype=torch.int64)  # a copy: the model may write to its input
-    if device != "cpu":
-        tokens = tokens.to(device)
-    model.eval()
-    with torch.no_grad():
-        logits = check_logits(model(tokens), 1, tokens.shape[1], vocab_size)[0, pos, :vocab_size]
-        return torch.log_softmax(logits.float(), dim=-1).cpu().numpy().astype(np.float32).tobytes()
+    return {"nats": math.fsum(parts), "targets": targets, "nonfinite_batches": nonfinite, "picked": picked}
 
 
 class _BuildOnly:
@@ -197,7 +190,10 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
 
     Args:
         config: ``bundle_root``, ``architecture`` ``[module, symbol]``, ``seed``, ``threads``,
-            ``vocab_size``, ``tokenizer``, ``sequence_length``, ``max_parameters``, ``device``.
+            ``vocab_size``, ``tokenizer``, ``sequence_length``, ``max_parameters``, ``device``,
+            optionally ``scoring_autocast`` (``prism.yaml``'s; absent: none), ``checks``
+            (``[batch, row, k]``: the blind probe's references, returned as ``check_nats``) or
+            ``blind`` (``[row, k]`` per batch: this is the blind probe's fresh process).
         batches: token batches ``[R, T]`` int64.
         state: a path or a binary file object holding the trained ``state_dict``.
 
@@ -214,7 +210,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from torch import nn
 
     from prism_challenge.evaluator.audit import arm
-    from prism_challenge.evaluator.instrument import ContractError
+    from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
     from prism_challenge.evaluator.interface import PrismContext
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
@@ -268,16 +264,19 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
         out: dict[str, Any] = {"batches": len(batches), "parameter_count": models["trained"][1]}
         stage = "score"
         trained = models["trained"][0]
-        if config.get("blind"):  # each batch is one probe row: [1, T], its suffix replaced
-            out["blind_logprobs"] = [_logprobs_at(trained, b, int(k) - 1, vocab, device).hex()
-                                     for b, k in zip(batches, config["blind"])]
+        autocast = autocast_dtype(config.get("scoring_autocast"))
+        if config.get("blind"):  # each batch is a probe batch [B, T]: (row, k) of blindprobe.blind_probes
+            blind = [logprobs_at(trained, b, int(row), int(k) - 1, vocab, device, autocast)
+                     for b, (row, k) in zip(batches, config["blind"])]
+            out["blind_logprobs"] = [lp.hex() for lp, _ in blind]
+            out["blind_precisions"] = [name for _, name in blind]
             return out
         for name, (model, _) in models.items():
-            out[name] = score_rows(model, batches, vocab, device)
+            out[name] = score_rows(model, batches, vocab, device, probe=name == "trained", autocast=autocast,
+                                   picks=config.get("checks", []) if name == "trained" else ())
         out["targets"] = out["trained"]["targets"]
-        out["check_nats"] = [0.0 - float(np.frombuffer(_logprobs_at(trained, batches[b][row:row + 1], k - 1, vocab, device),
-                                                  dtype=np.float32)[int(batches[b][row, k])])
-                             for b, row, k in config.get("checks", [])]
+        out["check_nats"] = out["trained"].pop("picked")
+        out["twin"].pop("picked")
         return out
     except HeldoutError:
         raise
@@ -433,6 +432,8 @@ def run_heldout(
             a malformed reply, or ``contract`` when the blind probe found a prediction that
             depends on a later token.
     """
+    from prism_challenge.evaluator.instrument import autocast_dtype
+
     t0 = time.monotonic()
     split = str(config.get("split", "val"))
     max_bytes = int(config.get("max_bytes", DEFAULT_MAX_BYTES))
@@ -448,7 +449,8 @@ def run_heldout(
         raise HeldoutError(f"state: cannot read the trained state {config['state_path']}: {exc.strerror}") from None
     child_config = {k: config[k] for k in ("bundle_root", "architecture", "seed", "vocab_size", "tokenizer",
                                            "sequence_length", "max_parameters")}
-    child_config.update({"threads": int(config.get("threads", 1)), "device": str(config.get("device", "cpu"))})
+    child_config.update({"threads": int(config.get("threads", 1)), "device": str(config.get("device", "cpu")),
+                         "scoring_autocast": config.get("scoring_autocast")})
     if jail is None:
         jail = Jail("none", str(config["bundle_root"]), (str(config["data_dir"]),),
                     dataclasses.replace(HELDOUT_LIMITS, address_space_bytes=memory_bytes), child_config["threads"])
@@ -470,64 +472,17 @@ def run_heldout(
         check_nats = reply.get("check_nats")
         if not isinstance(check_nats, list) or len(check_nats) != len(probes):
             raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
-        blind = _run_child(jail, {**child_config, "blind": [k for _, _, k, _ in probes], "checks": []},
+        blind = _run_child(jail, {**child_config, "blind": [[row, k] for _, row, k, _ in probes], "checks": []},
                            [p[3] for p in probes], state, deadline, timeout_s)
-        _compare_blind(probes, batches, check_nats, blind.get("blind_logprobs"),
-                       int(config["vocab_size"]))
+        try:
+            compare(probes, batches, check_nats, blind.get("blind_logprobs"), blind.get("blind_precisions"),
+                    int(config["vocab_size"]), autocast_dtype(child_config["scoring_autocast"]))
+        except BlindProbeError as exc:
+            raise HeldoutError(str(exc)) from None
     figures = _figures(result, nbytes)
     figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
                     "blind_probes": len(probes), "wall_s": time.monotonic() - t0})
     return figures
-
-
-def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
-                 count: int = BLIND_PROBES) -> list[tuple[int, int, int, np.ndarray]]:
-    """The blind causality probes of a held-out evaluation: ``(batch, row, k, probe_row)``.
-
-    Up to ``count`` batches spread over the prefix; in each, one row (drawn from a generator
-    seeded by ``seed``) keeps its tokens before position ``k`` (``1 <= k < T``) and gets random
-    tokens from ``k`` on: ``probe_row`` ``[1, T]`` int64. The trained model's prediction of the
-    true token ``k`` is computed twice: in the held-out process, from the whole row, and in a
-    second, fresh process that is only ever shown ``probe_row``, so it cannot know token ``k``
-    nor replay logits it computed on the whole row. A causal model gives the same
-    log-probability both times.
-    """
-    if not batches:
-        return []
-    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, 0x424C4E44])
-    picks = sorted({int(round(x)) for x in np.linspace(0, len(batches) - 1, num=min(count, len(batches)))})
-    out = []
-    for b in picks:
-        rows, t = batches[b].shape
-        if t < 2:
-            continue
-        row, k = int(rng.integers(rows)), int(rng.integers(1, t))
-        probe = np.array(batches[b][row:row + 1], dtype=np.int64, copy=True)
-        probe[0, k:] = rng.integers(0, vocab_size, t - k)
-        out.append((b, row, k, probe))
-    return out
-
-
-def _compare_blind(probes: list, batches: Sequence[np.ndarray], check_nats: list, blind: Any, vocab_size: int) -> None:
-    """Raise ``HeldoutError("contract: ...")`` when a prediction changed without its future."""
-    if not isinstance(blind, list) or len(blind) != len(probes):
-        raise HeldoutError("protocol: malformed reply from the blind probe process")
-    for (b, row, k, _), full, hexed in zip(probes, check_nats, blind):
-        try:
-            lp = np.frombuffer(bytes.fromhex(hexed), dtype=np.float32)
-            if lp.shape != (vocab_size,) or not isinstance(full, (int, float)) or isinstance(full, bool):
-                raise ValueError("shape")
-        except (TypeError, ValueError):
-            raise HeldoutError("protocol: malformed reply from the blind probe process") from None
-        seen = 0.0 - float(lp[int(batches[b][row, k])])
-        if not (math.isfinite(full) and math.isfinite(seen)):
-            continue  # non-finite: charged 2 ln V per target already
-        if not abs(full - seen) <= BLIND_RTOL * max(1.0, abs(full), abs(seen)):
-            raise HeldoutError(
-                f"contract: the trained model is not causal on held-out text: its prediction of token {k} of "
-                f"held-out row {row} of batch {b} cost {full:.4g} nats when it was shown the whole row and "
-                f"{seen:.4g} nats in a separate process shown only the tokens before it (a prediction may use "
-                f"earlier tokens only)")
 
 
 def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.ndarray], state: bytes,

@@ -739,6 +739,7 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
         "device": device,
         "bundle_root": str(bundle.root),
         "architecture": [bundle.architecture.module, bundle.architecture.symbol],
+        "scoring_autocast": bundle.scoring_autocast,
     }
 
 
@@ -822,7 +823,8 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
             "eot_token": tokenizer.eot_token,
         },
         "seed": opts.seed,
-        "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads},
+        "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads,
+                   "scoring_autocast": bundle.scoring_autocast},
         "budgets": {
             "token_budget": opts.token_budget,
             "byte_budget": opts.byte_budget,

@@ -7,8 +7,9 @@ alone) to show that the audit hooks and the sandbox stop them anyway.
 ``WHERE`` picks the child: ``param`` runs the attack in ``build_model`` (the parameter child
 builds the model first), ``rank`` in ``train`` (only the ranks call it), ``heldout`` in
 ``build_model`` when ``ctx.artifacts_dir`` is empty (the held-out children), ``blind`` in the
-first forward of a process when that forward has one row and ``artifacts_dir`` is empty (only
-the blind probe's process starts with a one-row batch).
+first forward of a process with an empty ``artifacts_dir`` that built one model whose weights
+no longer are the ones it was built with (only the blind probe's process builds a single model
+and loads the trained state into it: its batches have the held-out batches' shape).
 """
 
 ATTACKS = {
@@ -28,6 +29,7 @@ from torch import nn
 SALT = {salt!r}
 PORT = {port}
 FIRST = []
+BUILDS = []
 
 
 def attack():
@@ -41,9 +43,9 @@ class Bigram(nn.Module):
         self.ctx = ctx
 
     def forward(self, tokens):
-        if {blind} and not FIRST and self.ctx.artifacts_dir == "":
-            FIRST.append(1)
-            if tokens.shape[0] == 1:
+        # the blind probe's process builds one model and loads the trained state into it
+        if {blind} and not FIRST and self.ctx.artifacts_dir == "" and len(BUILDS) == 1:
+            if float(self.table.weight.detach().sum()) != BUILDS[0]:
                 attack()
         FIRST.append(1)
         return self.table(tokens)
@@ -52,7 +54,9 @@ class Bigram(nn.Module):
 def build_model(ctx):
     if {param} or ({heldout} and ctx.artifacts_dir == ""):
         attack()
-    return Bigram(ctx.vocab_size, ctx)
+    model = Bigram(ctx.vocab_size, ctx)
+    BUILDS.append(float(model.table.weight.detach().sum()))
+    return model
 '''
 
 TRAIN = '''

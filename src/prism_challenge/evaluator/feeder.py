@@ -251,7 +251,7 @@ class Feeder:
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
         probe_key: secret bytes that fix which batches are probed for causality and how
-            (HMAC-SHA256 of the key, step and rank): the same run probes the same batches, so a
+            (HMAC-SHA256 of the key and the step, the same on every rank): the same run probes the same batches, so a
             loop that notices probes cannot make its score vary between runs; ``None``: the
             operating system's random source.
     """
@@ -299,6 +299,7 @@ class Feeder:
         self.wake = threading.Event()  # set on a failure, a DONE or a closed connection: the parent looks now
         self._rng = random.SystemRandom()
         self._probe_key = probe_key
+        self._draws: dict[int, tuple[list[float], int]] = {}  # unkeyed: step -> (draw, ranks that took it)
         self._max_seq_len = int(config.get("sequence_length") or 1 << 30)
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
@@ -525,26 +526,34 @@ class Feeder:
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
         header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
-        probe = self._probe(st.step, st.rank, int(tokens.shape[0]), int(tokens.shape[1]))
+        probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
         self._send(st, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
 
-    def _probe(self, step: int, rank: int, rows: int, seq_len: int) -> list[int] | None:
-        """Whether to probe this batch for causality, and how: ``[k, shift, row]`` or ``None``.
+    def _probe(self, step: int, rows: int, seq_len: int) -> list[int] | None:
+        """Whether to probe this step's batches for causality, and how: ``[k, shift, row]`` or ``None``.
 
-        The first ``PROBE_FIRST`` batches and a ``PROBE_RATE`` share of the others, drawn from
-        ``HMAC-SHA256(probe_key, "step:rank")`` (a secret the submission never sees) or, without
-        a key, from the operating system's random source.
+        The first ``PROBE_FIRST`` steps and a ``PROBE_RATE`` share of the others, drawn from
+        ``HMAC-SHA256(probe_key, "step")`` (a secret the submission never sees) or, without a
+        key, from the operating system's random source once per step. The draw depends on the
+        step alone, never on the rank: every rank probes the same steps (so each runs the same
+        number of forwards, and a collective inside ``forward`` stays matched), with the same
+        ``k`` and ``shift``; ``row`` is the same fraction of each rank's ``rows``.
         """
         if seq_len < 2:
             return None
-        if self._probe_key is None:
-            draw = [self._rng.random() for _ in range(4)]
-        else:
-            digest = hmac.new(self._probe_key, f"{step}:{rank}".encode(), hashlib.sha256).digest()
+        if self._probe_key is not None:
+            digest = hmac.new(self._probe_key, f"{step}".encode(), hashlib.sha256).digest()
             draw = [int.from_bytes(digest[i : i + 8], "big") / 2.0**64 for i in range(0, 32, 8)]
+        else:  # one draw per step, kept until every rank has taken it
+            with self._lock:
+                draw, taken = self._draws.get(step) or ([self._rng.random() for _ in range(4)], 0)
+                if taken + 1 >= self.world_size:
+                    self._draws.pop(step, None)
+                else:
+                    self._draws[step] = (draw, taken + 1)
         if not (step < PROBE_FIRST or draw[0] < PROBE_RATE):
             return None
         return [1 + int(draw[1] * (seq_len - 1)), 1 + int(draw[2] * (self.vocab_size - 1)), int(draw[3] * rows)]

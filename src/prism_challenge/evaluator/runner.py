@@ -35,7 +35,7 @@ from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.gpu import peak_memory
-from prism_challenge.evaluator.instrument import ContractError, score_batch
+from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import (
@@ -45,6 +45,7 @@ from prism_challenge.evaluator.seeding import (
     force_seeds,
     force_source_imports,
 )
+from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
@@ -67,6 +68,7 @@ class Runtime:
         self.seed = int(config["seed"])
         self.tokenizer_name = str(config["tokenizer"])
         self.device = str(config["device"])
+        self.autocast = autocast_dtype(config.get("scoring_autocast"))  # prism.yaml's scoring_autocast
         self.stage = "setup"
         self._iterated = False
         self._build_fn: Callable[..., nn.Module] | None = None
@@ -156,6 +158,7 @@ class Runtime:
 
     def _stream(self, model: nn.Module, batch_size: int, seq_len: int) -> Iterator[Batch]:
         step = 0
+        staging = Staging(self.device)
         request = {"batch_size": batch_size, "seq_len": seq_len}
         protocol.send(self.sock, Kind.NEXT, request)
         while True:
@@ -168,14 +171,13 @@ class Runtime:
             if kind != Kind.BATCH:
                 raise protocol.ProtocolError(f"expected BATCH or END from the feeder, got {kind.name}")
             rows, cols = int(header["rows"]), int(header["seq_len"])
-            tokens = torch.frombuffer(payload, dtype=torch.int64).view(rows, cols)
-            if self.device != "cpu":
-                tokens = tokens.to(self.device, non_blocking=False)
+            tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
-                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None, census)
+                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None, census,
+                                   self.autocast)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
             if census is not None:

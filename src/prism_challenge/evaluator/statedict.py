@@ -29,19 +29,29 @@ class StateError(ValueError):
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, however deeply
-    wrapped; ``model`` itself otherwise. Its ``state_dict`` has the names ``build_model``'s module
-    has (an ``OptimizedModule``'s are prefixed ``_orig_mod.``), so the held-out stage can load it."""
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
-    optimized = getattr(dynamo, "OptimizedModule", None)
-    while optimized is not None and isinstance(model, optimized):
-        model = model._orig_mod
-    return model
+    """The module ``build_model`` made, through the wrappers a loop puts around it, however deeply
+    nested and in any order: ``torch.compile``'s ``OptimizedModule`` (its state names are prefixed
+    ``_orig_mod.``), ``DistributedDataParallel`` and ``DataParallel`` (prefixed ``module.``).
+    ``model`` itself when it is none of them. Its ``state_dict`` has the names ``build_model``'s
+    module has, so the held-out stage can load it. The wrapped module is read from the wrapper's
+    registered submodules (``_modules``), never through an attribute a subclass could override."""
+    while True:
+        dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+        optimized = getattr(dynamo, "OptimizedModule", None)
+        if optimized is not None and isinstance(model, optimized):
+            inner = model._modules.get("_orig_mod")
+        elif isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = model._modules.get("module")
+        else:
+            return model
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
 
 
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as detached, contiguous CPU tensors (non-tensor entries dropped);
-    of the compiled module when ``model`` is a ``torch.compile`` wrapper (:func:`uncompiled`)."""
+    of the wrapped module when ``model`` is a ``torch.compile`` or DDP wrapper (:func:`uncompiled`)."""
     return {
         k: v.detach().to("cpu").contiguous()
         for k, v in uncompiled(model).state_dict().items()

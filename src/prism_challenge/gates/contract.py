@@ -3,8 +3,8 @@
 At world size > 1 a training loop must:
 
 * initialize the process group (``init_process_group``) -> else ``prism:ddp-init``;
-* wrap the model in ``DistributedDataParallel``, ``FullyShardedDataParallel`` or
-  ``fully_shard`` -> else ``prism:ddp-wrap``;
+* wrap the model in ``DistributedDataParallel`` -> else ``prism:ddp-wrap`` (FSDP, ``fully_shard``
+  and DTensor are refused by the sandbox gate as ``prism:sharded-model``);
 * (not required: the harness shards the stream itself, each rank gets its slice of every
   global batch from ``ctx.iter_train_batches``, so no sampler is needed and none is asked for);
 * guard every write (``torch.save`` and friends) with a rank-0 test: the write sits under
@@ -30,7 +30,7 @@ from prism_challenge.gates.sandbox import TORCH_SAVES, may_call
 MAX_PROCS = 8
 """Most processes (GPUs) one run may ask for; always a single node."""
 
-_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard")
+_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard")  # the last two: prism:sharded-model
 _RANK_NAMES = frozenset({"rank", "global_rank", "local_rank"})
 _WORLD_NAMES = frozenset({"world_size", "num_replicas"})
 
@@ -132,7 +132,7 @@ def check_contract(
     if not facts.init:
         missing("prism:ddp-init", "never calls init_process_group (needed at world size > 1)")
     if not facts.wrap:
-        missing("prism:ddp-wrap", "never wraps the model in DistributedDataParallel or FSDP (at world size > 1 "
+        missing("prism:ddp-wrap", "never wraps the model in DistributedDataParallel (at world size > 1 "
                                   "the ranks' states must stay identical)")
     if not facts.destroy:
         missing("prism:ddp-destroy", "never calls destroy_process_group")

@@ -92,6 +92,9 @@ INTRO = "prism:no-introspection"
 INTER = "prism:no-interactive"
 PICKLE = "prism:no-pickle"
 PATCH = "prism:no-monkeypatch"
+SHARDED = "prism:sharded-model"
+SHARDED_WHY = ("sharded models are not supported: the harness hashes, audits and scores on held-out text the "
+               "full state of rank 0's model; wrap the model in DistributedDataParallel")
 TORCH_IO = "prism:torch-io"
 TORCH_PRIVATE = "prism:torch-private"
 CTX_PRIVATE = "prism:ctx-private"
@@ -170,6 +173,13 @@ BLOCKED_MODULES: dict[str, str] = {
     ),
     **_group(INTER, "pdb bdb pydoc readline rlcompleter getpass tkinter turtle curses cmd"),
     **_group(WALL_CLOCK, CLOCK_MODULES),
+    # sharded models (FSDP, fully_shard, DTensor, device meshes): the harness takes the scored
+    # model's full state from rank 0 (digests, held-out, audit) and does not gather shards
+    **_group(
+        SHARDED,
+        "torch.distributed.fsdp torch.distributed.tensor torch.distributed.device_mesh "
+        "torch.distributed.DeviceMesh torch.distributed.init_device_mesh torch.distributed.checkpoint.state_dict",
+    ),
 }
 """Module (or module prefix) -> the rule its import or use breaks."""
 
@@ -240,6 +250,11 @@ BLOCKED_ATTRS: dict[str, str] = {
     **_group(FS, "share_memory_ share_memory untyped_storage _share_filename_"),
     **_group(INTRO, "data_ptr const_data_ptr"),
     **_group(PATCH, "as_subclass"),
+    **_group(
+        SHARDED,
+        "FullyShardedDataParallel fully_shard FSDPModule DTensor distribute_tensor distribute_module "
+        "DeviceMesh init_device_mesh",
+    ),
 }
 """Attribute names blocked on any object (they reach FFI, files, pickles, eval or patch ops)."""
 
@@ -562,6 +577,8 @@ class Checker(AllowlistChecks, BindingChecks, SetOrderChecks):
         if key in self._seen:
             return
         self._seen.add(key)
+        if rule == SHARDED:
+            message += f" ({SHARDED_WHY})"
         self.findings.append(Finding(rule, self.info.rel, line, col, message))
 
     def q(self, node: ast.AST, containers: bool = True) -> frozenset[str]:
