@@ -2,7 +2,7 @@
 
 import pytest
 
-from prism_challenge.evaluate import EvalOptions, evaluate
+from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.evaluator import feeder as feeder_mod
 
 from helpers import write_bundle
