@@ -485,7 +485,7 @@ def test_a_loop_that_never_reaches_the_stream_fails_after_the_idle_timeout(tmp_p
     o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, SPIN_BEFORE_LOOP), token_budget=3000, idle_timeout=3)
     assert time.monotonic() - t0 < 60  # it used to wait forever (no wall-clock budget by default)
     assert o.failure is not None and o.failure.stage == "contract"
-    assert re.match(r"no batch was asked for [3-9] s after the start: the loop never reached ctx\.iter_train_batches ",
+    assert re.match(r"no batch was asked for (?:[3-9]|[1-5][0-9]) s after the start: the loop never reached ctx\.iter_train_batches ",
                     o.failure.message), o.failure.message
     assert o.failure.message.endswith("[--idle-timeout 3 s]")
     assert o.manifest["status"] == "failed" and o.manifest["stream"]["batches"] == 0
