@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import inspect, text
 
 from prism_challenge.failures import EvalFailure
 from prism_challenge.results import EvalResult, RunManifest, early_manifest
@@ -44,25 +45,27 @@ def _failed(stage: str, cause: str = "") -> EvalResult:
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store(f"sqlite:///{tmp_path / 'db' / 'prism.sqlite3'}")
+def store(db_url):
+    s = Store(db_url)
     yield s
     s.close()
 
 
-def test_the_migrations_run_at_start_and_match_the_models(tmp_path, store):
-    db = tmp_path / "db" / "prism.sqlite3"
-    con = sqlite3.connect(db)
-    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert tables == {"alembic_version", "submitters", "submissions", "attempts", "runs", "nonces"}
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
-    con.close()
+def test_the_migrations_run_at_start_and_match_the_models(store):
+    with store.engine.connect() as c:
+        assert set(inspect(c).get_table_names()) == {"alembic_version", "submitters", "submissions", "attempts",
+                                                     "runs", "nonces"}
+        assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0001",)]
+    if store.engine.dialect.name == "sqlite":  # read by an independent client too
+        con = sqlite3.connect(store.url.removeprefix("sqlite:///"))
+        assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
+        con.close()
     with store.engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata)
     assert diff == [], diff
 
 
-def test_a_restart_keeps_the_rows_and_migrates_nothing_twice(tmp_path, store):
+def test_a_restart_keeps_the_rows_and_migrates_nothing_twice(store):
     sid = store.submit(HOTKEY, SHA)
     again = Store(store.url)
     assert again.submission(sid).status == "pending"
@@ -159,3 +162,26 @@ def test_bad_requests_are_refused(store):
         store.submit(HOTKEY, SHA, max_attempts=0)
     with pytest.raises(TransitionError, match="attempt 99: no such attempt"):
         store.finish(99, _scored())
+
+
+def test_concurrent_workers_claim_every_submission_exactly_once(store):
+    """8 workers drain 40 pending submissions: each is claimed once (one attempt, number 1), none twice
+    (``SKIP LOCKED`` on PostgreSQL, the compare-and-set on both)."""
+    sids = [store.submit(HOTKEY, SHA) for _ in range(40)]
+    claims, barrier, lock = [], threading.Barrier(8), threading.Lock()
+
+    def worker(name):
+        barrier.wait()
+        while (c := store.claim(worker=name)) is not None:
+            with lock:
+                claims.append(c)
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(c.submission_id for c in claims) == sids
+    assert {c.number for c in claims} == {1}
+    assert [store.submission(s).status for s in sids] == ["running"] * 40
+    assert [len(store.attempts(s)) for s in sids] == [1] * 40

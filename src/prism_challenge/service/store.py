@@ -157,11 +157,25 @@ class Store:
     def claim(self, submission_id: int | None = None, *, worker: str | None = None) -> Claim | None:
         """Take a ``pending`` submission (``submission_id``, or the oldest) for evaluation:
         ``running``, one more attempt. ``None`` when there is none (or another worker took it).
+
+        On PostgreSQL the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent
+        workers take different rows without waiting on each other; on every database the change
+        itself is a compare-and-set on ``status = 'pending'`` (SQLite has no row locks: its
+        writers take turns on the file).
         """
+        tried: list[int] = []
         with self.sessions.begin() as s:
-            ids = [submission_id] if submission_id is not None else s.scalars(
-                select(Submission.id).where(Submission.status == "pending").order_by(Submission.id)).all()
-            for sid in ids:
+            while True:
+                q = (select(Submission.id)
+                     .where(Submission.status == "pending", Submission.attempts < Submission.max_attempts)
+                     .order_by(Submission.id).limit(1).with_for_update(skip_locked=True))
+                if submission_id is not None:
+                    q = q.where(Submission.id == submission_id)
+                if tried:
+                    q = q.where(Submission.id.not_in(tried))
+                sid = s.scalar(q)
+                if sid is None:
+                    return None
                 now = utcnow()
                 taken = s.execute(
                     update(Submission)
@@ -170,13 +184,14 @@ class Store:
                     .values(status="running", attempts=Submission.attempts + 1, updated_at=now)
                     .execution_options(synchronize_session=False)
                 ).rowcount
-                if taken == 1:
-                    number = s.scalar(select(Submission.attempts).where(Submission.id == sid))
-                    attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now)
-                    s.add(attempt)
-                    s.flush()
-                    return Claim(sid, attempt.id, number)
-        return None
+                if taken != 1:  # another worker took it between the read and the write
+                    tried.append(sid)
+                    continue
+                number = s.scalar(select(Submission.attempts).where(Submission.id == sid))
+                attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now)
+                s.add(attempt)
+                s.flush()
+                return Claim(sid, attempt.id, number)
 
     def finish(self, attempt_id: int, result: EvalResult) -> str:
         """Write the result of attempt ``attempt_id`` (once) and move its submission on;
