@@ -55,7 +55,7 @@ def test_the_migrations_run_at_start_and_match_the_models(tmp_path, store):
     con = sqlite3.connect(db)
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == {"alembic_version", "submitters", "submissions", "attempts", "runs", "nonces"}
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0001",)]
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0002",)]
     con.close()
     with store.engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata)
