@@ -26,9 +26,9 @@ TOKEN = "gateway-secret-token"
 @contextmanager
 def live_server(tmp_path: Path, **overrides):
     """Yield ``(base_url, app)`` of a real server over a SQLite file and blobs under ``tmp_path``."""
-    settings = ServiceSettings(database_url=f"sqlite:///{tmp_path / 'db' / 'prism.sqlite3'}",
-                               blob_root=tmp_path / "blobs", dispatch=False, internal_token=TOKEN,
-                               **{"profile": "local", **overrides})
+    given = {"database_url": f"sqlite:///{tmp_path / 'db' / 'prism.sqlite3'}", "blob_root": tmp_path / "blobs",
+             "dispatch": False, "internal_token": TOKEN, "profile": "local", **overrides}
+    settings = ServiceSettings(**given)
     app = create_app(settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

@@ -57,7 +57,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: int, limit: int, partial: bool = False) -> ApiError:
-    what = f"more than {size - 1:,} bytes arrived" if partial else f"Content-Length {size:,}"
+    what = f"{size:,} bytes arrived so far" if partial else f"Content-Length {size:,}"
     return ApiError(413, "body-too-large", f"{what}: the limit is {limit:,} bytes", stage="request",
                     rule="prism:body-limit")
 
