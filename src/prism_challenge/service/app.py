@@ -24,7 +24,7 @@ from prism_challenge.service import errors
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.metrics import ServiceMetrics
 from prism_challenge.service.ratelimit import RateLimiter
-from prism_challenge.service.routes import ops, read, submit
+from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings
 from prism_challenge.service.store import Store
 
@@ -91,7 +91,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
     errors.install(app)
     app.add_exception_handler(errors.ApiError, _counted)
-    for module in (submit, read, ops):
+    for module in (submit, read, ops, pages):
         app.include_router(module.router)
 
     @app.middleware("http")
