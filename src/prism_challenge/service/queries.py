@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
-from prism_challenge.service.models import Attempt, Run, Submission, Submitter
+from prism_challenge.service.models import Attempt, Nonce, Run, Submission, Submitter
 from prism_challenge.service.store import Store
 
 REFUSES_DUPLICATES = ("pending", "running", "completed", "rejected")
@@ -34,6 +34,15 @@ def family_root(store: Store, family_sha256: str, profile: str) -> int | None:
         return s.scalar(select(Submission.id).where(
             Submission.family_sha256 == family_sha256, Submission.profile == profile,
             Submission.variant_of.is_(None)).order_by(Submission.id).limit(1))
+
+
+def prune_nonces(store: Store, before: datetime) -> int:
+    """Delete the nonces recorded before ``before``; returns how many. Safe for
+    ``before = now - 2 * window``: such a nonce's request had a timestamp within the window of
+    its recording, so a replay of it now carries a timestamp outside the window and is refused
+    for that."""
+    with store.sessions.begin() as s:
+        return s.execute(delete(Nonce).where(Nonce.created_at < before)).rowcount
 
 
 def hotkey_of(store: Store, submission: Submission) -> str:
@@ -94,4 +103,4 @@ def _entry(sub: Submission, hotkey: str, manifest: dict[str, Any]) -> Entry:
                  flags=tuple(v.get("flags") or ()), family_sha256=sub.family_sha256, variant_of=sub.variant_of)
 
 
-__all__ = ["Entry", "REFUSES_DUPLICATES", "duplicate_of", "family_root", "hotkey_of", "latest_run", "scored_entries"]
+__all__ = ["Entry", "REFUSES_DUPLICATES", "duplicate_of", "family_root", "hotkey_of", "latest_run", "prune_nonces", "scored_entries"]

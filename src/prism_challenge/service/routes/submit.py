@@ -14,8 +14,10 @@ the bytes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
+from datetime import timedelta
 
 import anyio
 from fastapi import APIRouter, Request
@@ -23,7 +25,8 @@ from fastapi.responses import JSONResponse
 
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
-from prism_challenge.service.queries import duplicate_of, family_root
+from prism_challenge.service.models import utcnow
+from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
 from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes.auth import (
     VERIFIED_HOTKEY,
@@ -36,6 +39,18 @@ from prism_challenge.service.store import NonceReused
 
 router = APIRouter(tags=["submissions"])
 _REGISTER = threading.Lock()  # duplicate check + insert, one at a time in this process
+PRUNE_EVERY = 100
+"""Nonces older than twice the signature window are deleted after every this many recorded."""
+_recorded = itertools.count(1)
+_ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": {
+    "schema": {"type": "string", "format": "binary"}}}}}
+_SIGNED = {**_ZIP_BODY, "parameters": [
+    {"name": name, "in": "header", "required": True, "schema": {"type": "string"}, "description": text}
+    for name, text in (("X-Hotkey", "SS58 address"), ("X-Signature", "hex sr25519 signature of "
+                       "prism:{hotkey}:{nonce}:{timestamp}:{sha256(body) hex}"), ("X-Nonce", "never reused"),
+                       ("X-Timestamp", "Unix seconds"))]}
+_GATEWAY = {**_ZIP_BODY, "parameters": [
+    {"name": "X-Verified-Hotkey", "in": "header", "required": True, "schema": {"type": "string"}}]}
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -72,7 +87,8 @@ def _rate(request: Request, hotkey: str) -> None:
                        headers={"Retry-After": after})
 
 
-@router.post("/v1/submissions", status_code=202, summary="submit a bundle (zip body), signed by an sr25519 hotkey")
+@router.post("/v1/submissions", status_code=202, summary="submit a bundle (zip body), signed by an sr25519 hotkey",
+             openapi_extra=_SIGNED)
 async def submit(request: Request) -> JSONResponse:
     """Headers ``X-Hotkey`` (SS58), ``X-Signature`` (hex sr25519 over
     ``prism:{hotkey}:{nonce}:{timestamp}:{sha256(body)}``), ``X-Nonce``, ``X-Timestamp`` (Unix s)."""
@@ -85,10 +101,13 @@ async def submit(request: Request) -> JSONResponse:
         request.app.state.store.use_nonce(hotkey, nonce, timestamp)
     except NonceReused as exc:
         raise ApiError(409, "nonce-reused", str(exc), stage="auth", rule="prism:nonce") from None
+    if next(_recorded) % PRUNE_EVERY == 0:
+        prune_nonces(request.app.state.store, utcnow() - timedelta(seconds=2 * settings.signature_window_s))
     return await _accept(request, hotkey, body)
 
 
-@router.post("/internal/v1/submissions", status_code=202, summary="submit for a hotkey a trusted gateway verified")
+@router.post("/internal/v1/submissions", status_code=202, summary="submit for a hotkey a trusted gateway verified",
+             openapi_extra=_GATEWAY)
 async def submit_internal(request: Request) -> JSONResponse:
     """``Authorization: Bearer <internal token>`` and ``X-Verified-Hotkey`` (SS58)."""
     settings = request.app.state.settings
