@@ -15,7 +15,7 @@ import pytest
 
 from prism_challenge.service.signing import sign_request
 from helpers import EXAMPLE, REPO
-from service_live import ALICE, ALICE_SEED, BOB_SEED, TOKEN, live_server, post, signed, zip_dir, zip_files
+from service_live import ALICE, BOB_SEED, TOKEN, live_server, post, signed, zip_dir, zip_files
 
 ARCH = EXAMPLE / "architecture.py"
 TRAIN = EXAMPLE / "training.py"
@@ -235,6 +235,9 @@ def test_missing_and_malformed_headers(server, tmp_path):
         assert drop in err["message"]
     _error(post(base, body, {**good, "X-Hotkey": "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQZ"}), 400,
            "bad-hotkey", "auth", "prism:ss58")
+    polkadot = "15oF4uVJwmo4TdGW7VfQxNLavjCXviqxT9S1MgbjMNHr6Sp5"  # Alice's key on network 0
+    err = _error(post(base, body, {**good, "X-Hotkey": polkadot}), 400, "bad-hotkey", "auth", "prism:ss58")
+    assert "network 0; this service takes network 42" in err["message"]
     _error(post(base, body, {**good, "X-Timestamp": "soon"}), 400, "bad-header", "auth", "prism:signed-request")
     _error(post(base, body, {**good, "X-Nonce": "a b"}), 400, "bad-header", "auth", "prism:signed-request")
     _error(post(base, b"", signed(b"")), 400, "empty-body", "request", "prism:body")

@@ -3,8 +3,8 @@
 ``app.state`` holds what the routes share: ``settings`` (:class:`ServiceSettings`), ``profile``
 (the loaded challenge profile every submission is evaluated under), ``store`` (the database,
 migrated when the app is made), ``blobs`` (the bundles' bytes), ``rate_limiter``,
-``intake_limiter`` (intakes at once, off the event loop), ``metrics`` and ``dispatcher`` (the
-Ray dispatcher while it runs, else ``None``).
+``intake_limiter`` (intakes at once, off the event loop), ``metrics``, ``plots`` (the pages'
+rendered curves) and ``dispatcher`` (the Ray dispatcher while it runs, else ``None``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import anyio
@@ -88,6 +89,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.intake_limiter = anyio.CapacityLimiter(INTAKES_AT_ONCE)
     app.state.metrics = ServiceMetrics(store, profile.name)
     app.state.dispatcher = None
+    app.state.plots = OrderedDict()  # routes/pages.py: rendered curve PNGs by run id
     app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
     errors.install(app)
     app.add_exception_handler(errors.ApiError, _counted)

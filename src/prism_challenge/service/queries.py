@@ -82,20 +82,20 @@ class Entry:
 
 
 def scored_entries(store: Store, profile: str) -> list[Entry]:
-    """Every ``completed`` submission under ``profile`` with its scored run, unranked."""
+    """Every ``completed`` submission under ``profile`` with its scored run, unranked (only the
+    manifests' ``verdict`` sections are read from the database, not their curves)."""
     with store.sessions() as s:
         rows = s.execute(
-            select(Submission, Submitter.hotkey, Run.manifest)
+            select(Submission, Submitter.hotkey, Run.manifest["verdict"])
             .join(Submitter, Submitter.id == Submission.submitter_id)
             .join(Attempt, Attempt.submission_id == Submission.id)
             .join(Run, Run.attempt_id == Attempt.id)
             .where(Submission.profile == profile, Submission.status == "completed", Attempt.outcome == "completed",
                    Run.status == "scored")).all()
-    return [_entry(sub, hotkey, manifest) for sub, hotkey, manifest in rows]
+    return [_entry(sub, hotkey, verdict) for sub, hotkey, verdict in rows]
 
 
-def _entry(sub: Submission, hotkey: str, manifest: dict[str, Any]) -> Entry:
-    v = manifest["verdict"]
+def _entry(sub: Submission, hotkey: str, v: dict[str, Any]) -> Entry:
     held = v.get("heldout") or {}
     return Entry(id=sub.id, hotkey=hotkey, submitted_at=sub.created_at, prequential_bpb=v["prequential_bpb"],
                  heldout_delta=held.get("heldout_delta"), final_score=v["final_score"],

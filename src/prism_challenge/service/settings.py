@@ -48,6 +48,8 @@ class ServiceSettings(BaseSettings):
     max_bundle_files: int = Field(_LIMITS.max_files, ge=1, description="most zip members")
     max_bundle_bytes: int = Field(_LIMITS.max_archive_bytes, ge=1, description="most uncompressed zip bytes")
     max_bundle_ratio: float = Field(_LIMITS.max_ratio, gt=1, description="largest compression ratio of a member")
+    ss58_prefix: int = Field(42, ge=0, le=16383, description="the SS58 network of hotkeys (42: generic "
+                             "Substrate, Bittensor's); an address of another network is refused")
     signature_window_s: int = Field(300, ge=1, description="|now - X-Timestamp| allowed, seconds")
     rate_limit: int = Field(10, ge=1, description="verified submission requests per hotkey per window")
     rate_window_s: float = Field(3600.0, gt=0, description="the rate limit's sliding window, seconds")

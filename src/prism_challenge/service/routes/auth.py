@@ -11,7 +11,7 @@ import time
 from fastapi import Request
 
 from prism_challenge.service.errors import ApiError
-from prism_challenge.service.signing import SignatureError, message, ss58_decode, verify
+from prism_challenge.service.signing import SS58_PREFIX, SignatureError, message, ss58_decode, verify
 
 NONCE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 """A nonce: 1 to 128 characters of ``A-Z a-z 0-9 . _ : -`` (a UUID, a counter, hex)."""
@@ -26,23 +26,29 @@ def _header(request: Request, name: str) -> str:
     return value.strip()
 
 
-def hotkey_header(value: str, name: str) -> str:
-    """``value`` when it is an SS58 address (400 ``bad-hotkey`` otherwise)."""
+def hotkey_header(value: str, name: str, prefix: int = SS58_PREFIX) -> str:
+    """``value`` when it is an SS58 address of network ``prefix`` (400 ``bad-hotkey``
+    otherwise). One network only: the same key under another prefix is another string, which
+    would count as another hotkey (its own rate limit, its own leaderboard entry)."""
     try:
-        ss58_decode(value)
+        _, got = ss58_decode(value)
     except SignatureError as exc:
         raise ApiError(400, "bad-hotkey", f"{name}: {exc}", stage="auth", rule="prism:ss58") from None
+    if got != prefix:
+        raise ApiError(400, "bad-hotkey", f"{name}: an SS58 address of network {got}; this service takes network "
+                       f"{prefix} addresses", stage="auth", rule="prism:ss58")
     return value
 
 
-def signed_headers(request: Request, window_s: int, now: float | None = None) -> tuple[str, str, str, int]:
+def signed_headers(request: Request, window_s: int, prefix: int = SS58_PREFIX,
+                   now: float | None = None) -> tuple[str, str, str, int]:
     """``(hotkey, signature, nonce, timestamp)`` from the headers, the timestamp checked
     against ``now`` (Unix seconds) within ``window_s``.
 
     Raises:
         ApiError: 400 ``missing-header``/``bad-header``/``bad-hotkey``; 401 ``stale-timestamp``.
     """
-    hotkey = hotkey_header(_header(request, "X-Hotkey"), "X-Hotkey")
+    hotkey = hotkey_header(_header(request, "X-Hotkey"), "X-Hotkey", prefix)
     signature = _header(request, "X-Signature")
     nonce = _header(request, "X-Nonce")
     if not NONCE.fullmatch(nonce):

@@ -8,6 +8,7 @@ plots) and "how to submit" (``/how-to-submit``). They show the JSON routes' data
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -21,6 +22,9 @@ from prism_challenge.service.routes.read import SubmissionId, board, submission_
 router = APIRouter(tags=["pages"], include_in_schema=False)
 templates = Jinja2Templates(directory=str(resources.files("prism_challenge") / "templates" / "service"))
 _PLOT_LOCK = threading.Lock()  # matplotlib promises no thread safety: one figure at a time
+PLOTS_KEPT = 64
+"""Rendered PNGs kept in memory per app (``app.state.plots``), by run id (a run is written once,
+so its plot never changes)."""
 
 
 def _page(request: Request, name: str, **context) -> HTMLResponse:
@@ -53,9 +57,16 @@ def curve_png(request: Request, sid: int = SubmissionId) -> Response:
     try:
         if run is None:
             raise PlotError("no run")
-        curve = run_curve(run.manifest, f"#{sid}")
         with _PLOT_LOCK:
-            png = figure_bytes(learning_curve_figure([curve], title=f"submission #{sid}"), "png")
+            _plots: OrderedDict[int, bytes] = request.app.state.plots
+            png = _plots.get(run.id)
+            if png is None:
+                curve = run_curve(run.manifest, f"#{sid}")
+                png = figure_bytes(learning_curve_figure([curve], title=f"submission #{sid}"), "png")
+                _plots[run.id] = png
+                while len(_plots) > PLOTS_KEPT:
+                    _plots.popitem(last=False)
+            _plots.move_to_end(run.id)
     except PlotError:
         raise ApiError(404, "no-curve", f"submission {sid}: no scored batch to plot", rule="prism:no-run") from None
     return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=60"})

@@ -93,7 +93,7 @@ async def submit(request: Request) -> JSONResponse:
     """Headers ``X-Hotkey`` (SS58), ``X-Signature`` (hex sr25519 over
     ``prism:{hotkey}:{nonce}:{timestamp}:{sha256(body)}``), ``X-Nonce``, ``X-Timestamp`` (Unix s)."""
     settings = request.app.state.settings
-    hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s)
+    hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s, settings.ss58_prefix)
     body = await read_body(request, settings.max_body_bytes)
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
     _rate(request, hotkey)
@@ -116,7 +116,7 @@ async def submit_internal(request: Request) -> JSONResponse:
     if not raw:
         raise ApiError(400, "missing-header", f"{VERIFIED_HOTKEY}: required header is missing", stage="auth",
                        rule="prism:internal-token")
-    hotkey = hotkey_header(raw, VERIFIED_HOTKEY)
+    hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
     body = await read_body(request, settings.max_body_bytes)
     _rate(request, hotkey)
     return await _accept(request, hotkey, body)
