@@ -300,3 +300,21 @@ def test_a_lying_zip_member(server):
     err = _error(post(base, body, signed(body)), 422, "not-a-zip", "intake", "prism:bad-zip")
     assert "Bad CRC-32" in err["message"]
     assert zipfile.is_zipfile(io.BytesIO(body))
+
+
+def test_prism_yaml_counts_by_what_it_declares_and_a_yaml_bomb_does_not_expand(server, tmp_path):
+    base, _ = server
+    arch = ARCH.read_text()
+    loop = TRAIN.read_text().replace("EFFECTIVE_LEARNING_RATE = 0.005", "EFFECTIVE_LEARNING_RATE = 0.0091")
+    first = zip_files({"architecture.py": arch, "training.py": loop,
+                       "prism.yaml": "tokenizer: gpt2\nname: mine\n"})
+    r = post(base, first, signed(first))
+    assert r.status_code == 202, r.text
+    levels = "\n".join(f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 10))
+    bomb = f"tokenizer: gpt2\ndescription:\n  l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n{levels}\n"
+    copy = zip_files({"architecture.py": arch, "training.py": loop, "prism.yaml": bomb})  # 9**10 strings if expanded
+    t0 = time.monotonic()
+    err = _error(post(base, copy, signed(copy, BOB_SEED)), 409, "duplicate", "intake", "prism:duplicate")
+    assert err["duplicate_of"] == r.json()["id"] and time.monotonic() - t0 < 30
+    other = zip_files({"architecture.py": arch, "training.py": loop, "prism.yaml": "tokenizer: bytes\n"})
+    assert post(base, other, signed(other, BOB_SEED)).status_code == 202  # another tokenizer: another source

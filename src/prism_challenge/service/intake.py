@@ -11,8 +11,9 @@
 
 Normalized source: each ``.py`` file parsed with :mod:`ast`, every docstring (the first
 statement of a module, class or function body when it is a string constant) removed, then
-:func:`ast.unparse`d, which drops comments and layout; ``prism.yaml`` as its parsed YAML dumped
-to JSON with sorted keys. ``.md`` and ``.txt`` files are left out: the gates refuse file access
+:func:`ast.unparse`d, which drops comments and layout; ``prism.yaml`` as what it declares (the
+two entrypoints, the tokenizer, ``scoring_autocast``: ``name`` and ``description`` change no
+score, and the document itself is never re-serialized, so YAML aliases cannot expand). ``.md`` and ``.txt`` files are left out: the gates refuse file access
 (``prism:no-filesystem``), so a bundle's code cannot read them and they cannot change a score.
 The digest is sha256 over the sorted lines ``path NUL sha256(normalized) LF``.
 """
@@ -26,9 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from prism_challenge.bundle import SPEC_FILE, BundleError
+from prism_challenge.bundle import SPEC_FILE, BundleError, read_spec_full
 from prism_challenge.gates.findings import Finding
 from prism_challenge.profiles import Profile
 from prism_challenge.service.archive import ArchiveError, extract_bundle
@@ -93,8 +92,9 @@ def _normalized_file(root: Path, rel: str) -> str | None:
     text = (root / rel).read_text(encoding="utf-8-sig")
     if rel.endswith(".py"):
         return normalized_python(text, rel)
-    if rel == SPEC_FILE:
-        return json.dumps(yaml.safe_load(text), sort_keys=True, default=str)
+    if rel == SPEC_FILE:  # what it declares, never the document itself (YAML aliases could expand it
+        arch, train, tokenizer, autocast = read_spec_full(root)  # exponentially: "billion laughs")
+        return json.dumps([f"{arch.file}:{arch.symbol}", f"{train.file}:{train.symbol}", tokenizer, autocast])
     return None  # .md, .txt: unreadable by the bundle's code
 
 
