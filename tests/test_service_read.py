@@ -194,3 +194,26 @@ def test_the_weights_rule_is_a_setting(tmp_path):
         got = httpx.get(f"{base}/internal/v1/weights", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert got["weights"] == {KEYS["bob"]: 1.0} and got["rule"] == "winner-takes-all"
         assert httpx.get(f"{base}/v1/leaderboard").json()["entries"][0]["submission_id"] == best
+
+
+@pytest.mark.slow  # a real prism eval (torchrun, strict isolation, CPU) of bench/bundles/trivial
+def test_a_real_evaluation_written_by_claim_and_finish_is_read_back(tmp_path):
+    from prism_challenge import EvalOptions, evaluate
+
+    trivial = Path(__file__).resolve().parents[1] / "bench" / "bundles" / "trivial"
+    result = evaluate(EvalOptions(bundle=str(trivial), out_dir=str(tmp_path / "run"), device="cpu", seq_len=1024,
+                                  token_budget=40_000, heldout_bytes=20_000))
+    assert result.status == "scored", result.failure
+    with live_server(tmp_path / "svc") as (base, app):
+        sid = _add(app.state.store, "alice", "t", result)
+        view = httpx.get(f"{base}/v1/submissions/{sid}").json()
+        assert view["scores"]["prequential_bpb"] == result.prequential_bpb
+        assert view["scores"]["final_score"] == result.final_score
+        curve = httpx.get(f"{base}/v1/submissions/{sid}/curve").json()
+        m = result.manifest
+        assert curve["batches"] == len(m.curve.nats_per_target) == m.stream.batches
+        assert curve["points"][-1]["cumulative_bpb"] == pytest.approx(m.score.prequential_bpb, rel=1e-9)
+        assert curve["points"][-1]["bytes"] == m.score.bytes
+        assert httpx.get(f"{base}/v1/submissions/{sid}/manifest").json() == m.to_json_dict()
+        board = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
+        assert [(e["submission_id"], e["prequential_bpb"]) for e in board] == [(sid, result.prequential_bpb)]

@@ -97,13 +97,20 @@ async def submit(request: Request) -> JSONResponse:
     body = await read_body(request, settings.max_body_bytes)
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
     _rate(request, hotkey)
+    await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
+                                   settings.signature_window_s)  # database writes: off the event loop
+    return await _accept(request, hotkey, body)
+
+
+def _use_nonce(store, hotkey: str, nonce: str, timestamp: int, window_s: int) -> None:
+    """Record the nonce (409 ``nonce-reused`` when the hotkey used it); every
+    :data:`PRUNE_EVERY` nonces, delete those older than twice the window."""
     try:
-        request.app.state.store.use_nonce(hotkey, nonce, timestamp)
+        store.use_nonce(hotkey, nonce, timestamp)
     except NonceReused as exc:
         raise ApiError(409, "nonce-reused", str(exc), stage="auth", rule="prism:nonce") from None
     if next(_recorded) % PRUNE_EVERY == 0:
-        prune_nonces(request.app.state.store, utcnow() - timedelta(seconds=2 * settings.signature_window_s))
-    return await _accept(request, hotkey, body)
+        prune_nonces(store, utcnow() - timedelta(seconds=2 * window_s))
 
 
 @router.post("/internal/v1/submissions", status_code=202, summary="submit for a hotkey a trusted gateway verified",
