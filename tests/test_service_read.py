@@ -217,3 +217,16 @@ def test_a_real_evaluation_written_by_claim_and_finish_is_read_back(tmp_path):
         assert httpx.get(f"{base}/v1/submissions/{sid}/manifest").json() == m.to_json_dict()
         board = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
         assert [(e["submission_id"], e["prequential_bpb"]) for e in board] == [(sid, result.prequential_bpb)]
+
+
+def test_an_unexpected_error_is_a_500_with_the_error_body_and_no_traceback(tmp_path):
+    with live_server(tmp_path) as (base, app):
+        def broken(sid):
+            raise ZeroDivisionError("a bug in the service")
+
+        app.state.store.submission = broken
+        r = httpx.get(f"{base}/v1/submissions/1")
+        assert r.status_code == 500
+        assert r.json() == {"error": {"code": "internal", "message": "ZeroDivisionError: the service failed (see its "
+                                      "log)", "stage": "service", "rule": None}}
+        assert httpx.get(f"{base}/health").status_code == 200  # still serving
