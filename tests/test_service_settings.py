@@ -72,3 +72,40 @@ def test_dispatch_on_without_the_dispatcher_module_refuses_to_start(tmp_path, mo
     with pytest.raises(RuntimeError, match="no_such_dispatcher is not available"):
         with TestClient(app):
             pass
+
+
+def test_the_dispatcher_hook_starts_and_stops_it_in_the_lifespan(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from prism_challenge.service import app as appmod
+
+    calls = []
+
+    class Dispatcher:
+        def __init__(self, state):
+            self.state = state
+            calls.append(("start", state.profile.name, state.settings.slots))
+
+        def stop(self):
+            calls.append(("stop",))
+
+    fake = types.ModuleType("prism_test_fake_dispatch")
+    fake.start = Dispatcher
+    fake.__spec__ = importlib_spec("prism_test_fake_dispatch")
+    monkeypatch.setitem(sys.modules, "prism_test_fake_dispatch", fake)
+    monkeypatch.setattr(appmod, "DISPATCH_MODULE", "prism_test_fake_dispatch")
+    app = appmod.create_app(ServiceSettings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", profile="local",
+                                            blob_root=tmp_path / "blobs", dispatch=True, slots=3))
+    with TestClient(app) as client:
+        assert calls == [("start", "local", 3)]
+        assert client.get("/health").json()["dispatcher"] == "running"
+    assert calls == [("start", "local", 3), ("stop",)] and app.state.dispatcher is None
+
+
+def importlib_spec(name: str):
+    import importlib.machinery
+
+    return importlib.machinery.ModuleSpec(name, loader=None)
