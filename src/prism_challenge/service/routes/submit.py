@@ -23,6 +23,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
 from prism_challenge.service.models import utcnow
@@ -137,6 +138,9 @@ async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
                                                         limiter=state.intake_limiter)
     except IntakeRefused as exc:
         raise ApiError(422, exc.code, exc.message, stage=exc.stage, rule=exc.rule, findings=exc.findings) from None
+    except IsolationError as exc:  # intake_parameter_check on a host without strict isolation: ours, not theirs
+        raise ApiError(503, "isolation-unavailable", f"the intake's parameter check cannot run here: {exc}",
+                       stage="service", rule="prism:isolation") from None
     finally:
         state.metrics.intake_seconds.observe(time.monotonic() - t0)
     sid, variant_of = await anyio.to_thread.run_sync(_register, state, hotkey, body, intake)
