@@ -21,8 +21,8 @@ def add_service_parsers(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the challenge service (FastAPI + uvicorn)",
                        description="Settings: these options, then PRISM_* variables, then --config FILE (TOML).")
     p.add_argument("--config", type=Path, help="a TOML settings file (keys named like the PRISM_* settings)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument("--profile", help="the challenge profile evaluated under (default prism-v2)")
     p.add_argument("--data", dest="data_dir", type=Path, help="the profile's locked data directory")
     p.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite under the user data directory)")
@@ -44,13 +44,13 @@ def add_service_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="a submission's status, failure and scores")
-    p.add_argument("id", type=int)
-    p.add_argument("--url", required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("id", type=int, help="the submission's id")
+    p.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
+    p.add_argument("--json", action="store_true", help="print the submission's view as JSON")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("keygen", help="write a development sr25519 key (mode 0600)")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the key file to write (must not exist)")
     p.set_defaults(func=cmd_keygen)
 
 
