@@ -184,3 +184,14 @@ def test_old_nonces_are_pruned_and_recent_ones_kept(tmp_path):
         store.use_nonce("hk", "new", 2)
     store.use_nonce("hk", "old", 3)  # gone: a replay of it would carry a timestamp outside the window
     store.close()
+
+
+def test_normalized_source_drops_comments_docstrings_and_layout_only():
+    from prism_challenge.service.intake import normalized_python
+
+    a = 'def f(x):\n    """Doc."""\n    return x + 1  # plus one\n\n\nclass C:\n    "only a docstring"\n'
+    b = "# header\ndef f(x):\n\n    return (x +\n            1)\nclass C:\n    pass\n"
+    assert normalized_python(a, "a.py") == normalized_python(b, "b.py") == (
+        "def f(x):\n    return x + 1\n\nclass C:\n    pass")
+    assert normalized_python("x = 'not a docstring'\ny = 1\n", "c.py") == "x = 'not a docstring'\ny = 1"
+    assert normalized_python("def f(x):\n    return x + 2\n", "d.py") != normalized_python(b, "b.py")
