@@ -94,6 +94,15 @@ class Submission(Base):
     error_stage: Mapped[str | None] = mapped_column(String(32), nullable=True)
     error_kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Intake (migration 0002); NULL on rows made before it.
+    source_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    """sha256 of the bundle's normalized source (AST without comments or docstrings): duplicates."""
+    family_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    """sha256 of the normalized ``architecture.py``: the architecture family."""
+    variant_of: Mapped[int | None] = mapped_column(ForeignKey("submissions.id"), nullable=True, index=True)
+    """The first submission of this family when this one is a training variant of it."""
+    profile: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    """The challenge profile the submission is evaluated under (``prism-v2``)."""
 
 
 class Attempt(Base):

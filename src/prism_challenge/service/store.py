@@ -135,12 +135,21 @@ class Store:
         except IntegrityError:
             raise NonceReused(f"hotkey {hotkey}: nonce {nonce!r} was already used") from None
 
-    def submit(self, hotkey: str, bundle_sha256: str, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> int:
+    def submit(self, hotkey: str, bundle_sha256: str, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+               source_sha256: str | None = None, family_sha256: str | None = None, variant_of: int | None = None,
+               profile: str | None = None) -> int:
         """A new ``pending`` submission of ``bundle_sha256`` by ``hotkey`` (the submitter is
         created on first use); returns its id.
 
+        Args:
+            source_sha256: sha256 of the bundle's normalized source (duplicates).
+            family_sha256: sha256 of its normalized ``architecture.py`` (the family).
+            variant_of: the id of the family's first submission when this is a training variant.
+            profile: the challenge profile it is evaluated under.
+
         Raises:
             StoreError: ``max_attempts`` below 1.
+            sqlalchemy.exc.IntegrityError: ``variant_of`` names no submission.
         """
         if max_attempts < 1:
             raise StoreError(f"max_attempts = {max_attempts}: must be at least 1")
@@ -148,7 +157,8 @@ class Store:
         with self.sessions.begin() as s:
             submitter = _submitter(s, hotkey, now)
             row = Submission(submitter_id=submitter.id, bundle_sha256=bundle_sha256, status="pending", attempts=0,
-                             max_attempts=max_attempts, created_at=now, updated_at=now)
+                             max_attempts=max_attempts, created_at=now, updated_at=now, source_sha256=source_sha256,
+                             family_sha256=family_sha256, variant_of=variant_of, profile=profile)
             s.add(row)
             s.flush()
             return row.id
