@@ -54,8 +54,8 @@ def test_the_migrations_run_at_start_and_match_the_models(tmp_path, store):
     db = tmp_path / "db" / "prism.sqlite3"
     con = sqlite3.connect(db)
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert tables == {"alembic_version", "submitters", "submissions", "attempts", "runs", "nonces"}
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0002",)]
+    assert tables == {"alembic_version", "submitters", "submissions", "attempts", "runs", "nonces", "dispatchers"}
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
     con.close()
     with store.engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata)
