@@ -129,15 +129,33 @@ class Store:
         self.migrate()
 
     def migrate(self) -> None:
-        """Apply every Alembic migration not applied yet (``upgrade head``)."""
+        """Apply every Alembic migration not applied yet (``upgrade head``).
+
+        On SQLite, foreign keys are off while the migrations run (a batch migration copies a
+        table that others refer to, which the check would refuse), and checked afterwards.
+
+        Raises:
+            StoreError: a row refers to a row that does not exist after the migrations.
+        """
         from alembic import command
         from alembic.config import Config
 
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
-        with self.engine.begin() as connection:
-            config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+        sqlite = self.engine.dialect.name == "sqlite"
+        with self.engine.connect() as connection:
+            if sqlite:  # a no-op inside a transaction: set before it begins
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()
+                if broken:
+                    raise StoreError(f"after the migrations, rows refer to missing rows: {broken[:5]}")
 
     def close(self) -> None:
         """Release the engine's connections."""
@@ -233,13 +251,16 @@ class Store:
                                       f"{sub.attempts}, not running attempt {attempt.number}")
             return _write(s, sub, attempt, result, backoff_s)
 
-    def record(self, token: str, result: EvalResult, *, backoff_s: float = 0.0) -> Recorded:
+    def record(self, token: str, result: EvalResult, *, backoff_s: float = 0.0,
+               max_attempts: int | None = None) -> Recorded:
         """The fenced write of a dispatcher: store ``result`` under the attempt of fencing token
         ``token`` if it is its submission's current attempt, in one transaction with the
         submission's move to its next state (``backoff_s``: a retried submission is not claimed
         again for this many seconds). Idempotent: the same result written again changes
         nothing. A result of a superseded attempt (or another result for an attempt already
         written) is discarded and logged (logger ``prism_challenge.service``, warning).
+        ``max_attempts``: the dispatcher's cap on attempts, below the submission's own when
+        lower (an infrastructure failure at the cap is final).
 
         Raises:
             TransitionError: no attempt has this token.
@@ -257,7 +278,7 @@ class Store:
                 log.warning("submission %d: discarded the %s result of superseded attempt %d (token %s): %s",
                             sub.id, result.status, attempt.number, token, why)
                 return Recorded(sub.status, False, "superseded")
-            return Recorded(_write(s, sub, attempt, result, backoff_s), True, "written")
+            return Recorded(_write(s, sub, attempt, result, backoff_s, max_attempts), True, "written")
 
     def heartbeat(self, tokens: list[str], *, node: dict[str, str] | None = None) -> int:
         """Refresh the heartbeat of the live attempts of ``tokens`` (and set the nodes named in
@@ -321,11 +342,13 @@ def _current(sub: Submission, attempt: Attempt) -> bool:
     return sub.status == "running" and sub.attempts == attempt.number and attempt.outcome is None
 
 
-def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, backoff_s: float) -> str:
+def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, backoff_s: float,
+           max_attempts: int | None = None) -> str:
     """Store the attempt's outcome and, when the submission becomes final, its one run, and move
     the submission on (the caller's transaction); returns the new status."""
     now = utcnow()
-    outcome, status = outcome_of(result, sub.attempts, sub.max_attempts)
+    cap = sub.max_attempts if max_attempts is None else min(sub.max_attempts, max_attempts)
+    outcome, status = outcome_of(result, sub.attempts, cap)
     _check(sub.status, status)
     failure = result.failure
     attempt.finished_at, attempt.outcome, attempt.heartbeat_at = now, outcome, now
