@@ -124,6 +124,8 @@ class Dispatcher:
         backoff_base_s: the first retry's backoff (:func:`backoff_s`).
         data_dir: the prepared data directory on every node, or ``None`` (the profile's default).
         default_profile: the profile of a submission that names none.
+        profiles: profiles known by name besides the shipped ones (name -> loaded profile: the
+            operator's own TOML files); a submission's ``profile`` is looked up here first.
         poll_s: how long one round waits for results.
 
     Raises:
@@ -132,7 +134,8 @@ class Dispatcher:
 
     def __init__(self, store: Store, blobs: Any, *, ray_address: str | None = None, slots: int = DEFAULT_SLOTS,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, backoff_base_s: float = DEFAULT_BACKOFF_S,
-                 data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE, poll_s: float = POLL_S):
+                 data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE,
+                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S):
         if slots < 1 or max_attempts < 1:
             raise ValueError(f"slots = {slots}, max_attempts = {max_attempts}: each must be at least 1")
         self.store, self.blobs, self.ray_address = store, blobs, ray_address
@@ -140,7 +143,7 @@ class Dispatcher:
         self.data_dir, self.default_profile, self.poll_s = data_dir, default_profile, poll_s
         self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._tracked: dict[str, _Track] = {}
-        self._profiles: dict[str, Profile] = {}
+        self._profiles: dict[str, Profile] = dict(profiles or {})
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._owns_ray = False
@@ -148,6 +151,7 @@ class Dispatcher:
         self._gpus = 0.0
         self._last_beat = 0.0
         self._last_reconcile = 0.0
+        self.reconciled: Reconciled | None = None  # what the reconcile of start() did
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -163,7 +167,7 @@ class Dispatcher:
         self._remote = ray.remote(Evaluation)
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
         self.store.dispatcher_beat(self.name, ray_address=self.ray_address)
-        self.reconcile()
+        self.reconciled = self.reconcile()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="prism-dispatcher", daemon=True)
         self._thread.start()
@@ -217,17 +221,20 @@ class Dispatcher:
         if not self._tracked and not launched:
             self._stop.wait(self.poll_s)
 
-    def _beat(self) -> None:
+    def _node(self, t: _Track) -> str | None:
+        """The attempt's node (``ip node-id pid``) once its ``where()`` answered, else ``None``."""
         import ray
 
-        for t in self._tracked.values():
-            if t.node is None and t.where is not None and ray.wait([t.where], timeout=0)[0]:
-                try:
-                    w = ray.get(t.where)
-                    t.node = f"{w['ip']} {w['node_id'][:12]} pid {w['pid']}"
-                except ray.exceptions.RayError:
-                    t.where = None
-        nodes = {tok: t.node for tok, t in self._tracked.items() if t.node and not t.node_sent}
+        if t.node is None and t.where is not None and ray.wait([t.where], timeout=0)[0]:
+            try:
+                w = ray.get(t.where)
+                t.node = f"{w['ip']} {w['node_id'][:12]} pid {w['pid']}"
+            except ray.exceptions.RayError:
+                t.where = None
+        return t.node
+
+    def _beat(self) -> None:
+        nodes = {tok: t.node for tok, t in self._tracked.items() if self._node(t) and not t.node_sent}
         self.store.dispatcher_beat(self.name)
         self.store.heartbeat(list(self._tracked), node=nodes)
         for tok in nodes:
@@ -282,6 +289,9 @@ class Dispatcher:
                 t.result = self._outcome(t, ref)
         for tok, t in list(self._tracked.items()):
             if t.result is not None:
+                if not t.node_sent and self._node(t):
+                    self.store.heartbeat([tok], node={tok: t.node})
+                    t.node_sent = True
                 self._write(t.claim, t.result)  # raises while the store is unreachable: kept, retried
                 del self._tracked[tok]
                 _kill(t.actor)
@@ -347,6 +357,21 @@ class Dispatcher:
         return Reconciled(adopted, lost, killed)
 
 
+def start(state: Any) -> Dispatcher:
+    """Start the service's dispatcher from its app state (the hook ``prism serve``'s lifespan
+    calls): ``state.store``, ``state.blobs``, ``state.profile`` (loaded) and ``state.settings``
+    (``ray_address``, ``slots``, ``max_attempts``, ``data_dir``, ``profile``, and
+    ``retry_backoff_s`` when it has one). Returns the started dispatcher (``stop()`` at shutdown).
+    """
+    settings, profile = state.settings, state.profile
+    data_dir = getattr(settings, "data_dir", None)
+    return Dispatcher(state.store, state.blobs, ray_address=settings.ray_address, slots=settings.slots,
+                      max_attempts=settings.max_attempts,
+                      backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
+                      data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
+                      profiles={settings.profile: profile, profile.name: profile}).start()
+
+
 def _kill(actor: Any) -> None:
     import ray
 
@@ -357,4 +382,4 @@ def _kill(actor: Any) -> None:
 
 
 __all__ = ["DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
-           "resources_for"]
+           "resources_for", "start"]
