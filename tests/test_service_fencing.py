@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
@@ -231,3 +232,59 @@ def test_migration_0003_keeps_older_rows_and_fills_each_submissions_result(tmp_p
         assert s.execute(select(Run.id, Run.submission_id).order_by(Run.id)).all() == [(1, None), (2, 1)]
         assert s.scalar(select(Attempt.token).where(Attempt.id == 1)) is None
     store.close()
+
+
+def test_fifty_submissions_from_concurrent_threads_each_end_with_exactly_one_result(store):
+    """The store under load (no Ray: the claims and fenced writes of four dispatcher threads):
+    submitted from five threads; every third attempt fails for the infrastructure, every result
+    is written twice, and each retried submission's superseded attempt writes late."""
+    sids: list[int] = []
+    lock = threading.Lock()
+
+    def submitter(k: int) -> None:
+        for _ in range(10):
+            sid = store.submit(HOTKEY, SHA, max_attempts=3)
+            with lock:
+                sids.append(sid)
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(sids)) == 50
+    stale: list[str] = []
+    counter = iter(range(10_000))
+
+    def worker() -> None:
+        while True:
+            claim = store.claim(worker=threading.current_thread().name)
+            if claim is None:
+                with store.sessions() as s:
+                    left = s.scalar(select(func.count()).where(Submission.status.in_(("pending", "running"))))
+                if not left:
+                    return
+                continue
+            n = next(counter)
+            result = _lost(f"attempt {claim.number} lost") if n % 3 == 0 and claim.number < 3 else _scored()
+            for _ in range(2):  # the write, and its retry after a dropped answer
+                store.record(claim.token, result, backoff_s=0.0)
+            with lock:
+                stale.append(claim.token)
+
+    threads = [threading.Thread(target=worker, name=f"d{k}") for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for token in stale:  # every attempt writes once more, late: nothing changes
+        assert not store.record(token, _scored(bpb_shift=2.0)).written
+    with store.sessions() as s:
+        statuses = dict(s.execute(select(Submission.status, func.count()).group_by(Submission.status)).all())
+        per_sub = s.execute(select(Run.submission_id, func.count()).group_by(Run.submission_id)).all()
+        attempts = s.scalar(select(func.count()).select_from(Attempt))
+        retried = s.scalar(select(func.count()).select_from(Attempt).where(Attempt.outcome == "retry"))
+    assert statuses == {"completed": 50}
+    assert sorted(sid for sid, _ in per_sub) == sorted(sids) and {n for _, n in per_sub} == {1}
+    assert attempts == 50 + retried and retried > 0
+    assert all(store.result_of(sid).prequential_bpb == 8.018997287010148 for sid in sids)

@@ -43,7 +43,7 @@ from typing import Any
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
 from prism_challenge.results import EvalResult
-from prism_challenge.service.store import Claim, DEFAULT_MAX_ATTEMPTS, Store
+from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError
 from prism_challenge.service.worker import (
     ACTOR_PREFIX,
     NAMESPACE,
@@ -62,6 +62,7 @@ POLL_S = 0.5  # how long a round waits for results when attempts are in flight
 HEARTBEAT_S = 5.0  # how often the dispatcher's and its attempts' heartbeats are written
 RECONCILE_S = 60.0  # how often a running dispatcher reconciles again
 ACTOR_CONCURRENCY = 4  # an actor answers result(), where() and progress() while its run goes on
+RESULT_WAIT_S = 30.0  # one result() call waits this long at most; the dispatcher then asks again
 
 
 def backoff_s(attempt: int, base_s: float = DEFAULT_BACKOFF_S, cap_s: float = MAX_BACKOFF_S) -> float:
@@ -275,7 +276,8 @@ class Dispatcher:
         log.info("submission %d: attempt %d dispatched (token %s)", claim.submission_id, claim.number, claim.token)
 
     def _track(self, claim: Claim, actor: Any, profile: Profile | None = None) -> None:
-        self._tracked[claim.token] = _Track(claim, actor, actor.result.remote(), actor.where.remote(), profile=profile)
+        self._tracked[claim.token] = _Track(claim, actor, actor.result.remote(RESULT_WAIT_S), actor.where.remote(),
+                                            profile=profile)
 
     def _collect(self, timeout: float) -> None:
         """Write the result of every tracked attempt that ended (waiting up to ``timeout`` s)."""
@@ -292,11 +294,17 @@ class Dispatcher:
                 if not t.node_sent and self._node(t):
                     self.store.heartbeat([tok], node={tok: t.node})
                     t.node_sent = True
-                self._write(t.claim, t.result)  # raises while the store is unreachable: kept, retried
+                try:
+                    self._write(t.claim, t.result)  # raises while the store is unreachable: kept, retried
+                except TransitionError:  # no attempt has the token (the row was deleted): nothing to fence
+                    log.exception("submission %d: attempt %d's result has no attempt to go to",
+                                  t.claim.submission_id, t.claim.number)
                 del self._tracked[tok]
                 _kill(t.actor)
 
-    def _outcome(self, t: _Track, ref: Any) -> EvalResult:
+    def _outcome(self, t: _Track, ref: Any) -> EvalResult | None:
+        """The attempt's result from its ready ``result()`` ref; ``None`` (and a new call) while
+        it runs on."""
         import ray
 
         try:
@@ -305,9 +313,16 @@ class Dispatcher:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             message = f"the Ray worker of attempt {t.claim.number} died ({type(exc).__name__}: {first[:300]})"
             return failure_result(EvalFailure("dispatch", message), profile=t.profile)
-        if payload.get("token") != t.claim.token:  # never expected: an actor name reused
-            return failure_result(EvalFailure("dispatch", "the actor answered for another attempt"), profile=t.profile)
-        return EvalResult.model_validate(payload["result"])
+        if payload is None:  # still running: ask again (a bounded wait keeps no actor thread blocked for a dead caller)
+            t.ref = t.actor.result.remote(RESULT_WAIT_S)
+            return None
+        try:
+            if payload.get("token") != t.claim.token:
+                raise ValueError(f"the actor answered for token {payload.get('token')!r}")
+            return EvalResult.model_validate(payload["result"])
+        except Exception as exc:  # noqa: BLE001 - a harness bug on the node: reported and retried
+            return failure_result(EvalFailure("dispatch", f"the attempt's answer is not a result: "
+                                              f"{type(exc).__name__}: {str(exc)[:300]}"), profile=t.profile)
 
     def _write(self, claim: Claim, result: EvalResult) -> None:
         done = self.store.record(claim.token, result, backoff_s=backoff_s(claim.number, self.backoff_base_s),
