@@ -39,6 +39,7 @@ log = logging.getLogger("prism_challenge.service")
 MIGRATIONS = Path(__file__).parent / "migrations"
 DB_NAME = "prism.sqlite3"
 DEFAULT_MAX_ATTEMPTS = 3  # one evaluation and two retries of infrastructure failures
+CLAIM_CANDIDATES = 16  # the oldest ready submissions one claim tries (another worker may take some first)
 TRANSITIONS = frozenset({("pending", "running"), ("running", "completed"), ("running", "failed"),
                          ("running", "rejected"), ("running", "pending")})
 """Every change of a submission's status the store makes (``(from, to)``)."""
@@ -219,7 +220,8 @@ class Store:
             now = utcnow()
             ready = (Submission.not_before.is_(None)) | (Submission.not_before <= now)
             ids = [submission_id] if submission_id is not None else s.scalars(
-                select(Submission.id).where(Submission.status == "pending", ready).order_by(Submission.id)).all()
+                select(Submission.id).where(Submission.status == "pending", ready).order_by(Submission.id)
+                .limit(CLAIM_CANDIDATES)).all()
             for sid in ids:
                 taken = s.execute(
                     update(Submission)
