@@ -350,7 +350,7 @@ class Dispatcher:
                 actor = ray.get_actor(actor_name(claim.token), namespace=NAMESPACE)
             except ValueError:
                 self._write(claim, failure_result(EvalFailure(
-                    "dispatch", f"attempt {claim.number}'s Ray actor was gone when the dispatcher restarted")))
+                    "dispatch", f"attempt {claim.number}'s Ray actor was gone when the dispatcher reconciled")))
                 lost.append(claim.submission_id)
                 continue
             self._track(claim, actor)
