@@ -193,6 +193,18 @@ def test_fleet_status_shows_the_queue_running_attempts_and_the_last_hour(store):
     assert c not in [r.submission_id for r in st.running]
 
 
+def test_prism_fleet_status_reads_the_database(store, capsys):
+    from prism_challenge.cli import main
+
+    sid = store.submit(HOTKEY, SHA)
+    store.record(store.claim(sid).token, _scored())
+    assert main(["fleet", "status", "--db", store.url]) == 0
+    out = capsys.readouterr().out
+    assert "results, last hour" in out and "8.018997" in out and "completed" in out
+    assert main(["fleet", "status", "--db", "sqlite:////nonexistent/prism.sqlite3"]) == 2
+    assert "no database at /nonexistent/prism.sqlite3" in capsys.readouterr().err
+
+
 def test_resources_and_backoff_follow_their_rules():
     local = load_profile("local")  # nproc 1, device auto
     v2 = load_profile("prism-v2")  # nproc 1, device cuda

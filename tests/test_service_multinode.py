@@ -1,7 +1,8 @@
 """A Ray cluster of several nodes on one machine (Ray's ``ray.cluster_utils.Cluster``: a head
 with no CPUs and two worker nodes of one CPU each), joined by address as ``prism serve
 --ray-address`` does (issue 18, item 3): a worker node lost mid-run, and the attempt retried on
-the other node with exactly one result, equal to ``evaluate()`` run directly."""
+the other node with exactly one result, equal to ``evaluate()`` run directly. First, the
+embedded default: a dispatcher without an address starts its own Ray and shuts it down."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
 from prism_challenge.service.worker import NAMESPACE
 
 pytestmark = pytest.mark.slow
+
+
+def test_the_embedded_ray_is_started_and_shut_down_by_the_dispatcher(world, service):
+    store, blobs, make = service  # runs first in this module: no Ray in this process yet
+    assert not ray.is_initialized()
+    sid = submit(store, blobs, world["zip"])
+    d = make(slots=1).start()
+    assert ray.cluster_resources()["CPU"] == 1.0
+    final(store, sid)
+    d.stop()
+    assert not ray.is_initialized()
+    assert counts(store, sid) == (1, 1)
+    assert_same_as_direct(store, sid, world["direct"])
 
 
 @pytest.fixture(scope="module")
