@@ -165,3 +165,22 @@ def test_the_0002_migration_keeps_rows_made_under_0001(tmp_path):
     assert {"ix_submissions_source_sha256", "ix_submissions_family_sha256", "ix_submissions_variant_of",
             "ix_submissions_profile"} <= indexes
     con.close()
+
+
+def test_old_nonces_are_pruned_and_recent_ones_kept(tmp_path):
+    from datetime import timedelta
+
+    from prism_challenge.service.models import Nonce, utcnow
+    from prism_challenge.service.queries import prune_nonces
+    from prism_challenge.service.store import NonceReused, Store
+
+    store = Store(f"sqlite:///{tmp_path / 'n.sqlite3'}")
+    store.use_nonce("hk", "old", 1)
+    with store.sessions.begin() as s:
+        s.query(Nonce).filter(Nonce.nonce == "old").update({"created_at": utcnow() - timedelta(seconds=700)})
+    store.use_nonce("hk", "new", 2)
+    assert prune_nonces(store, utcnow() - timedelta(seconds=600)) == 1
+    with pytest.raises(NonceReused):
+        store.use_nonce("hk", "new", 2)
+    store.use_nonce("hk", "old", 3)  # gone: a replay of it would carry a timestamp outside the window
+    store.close()

@@ -1,3 +1,11 @@
-"""The challenge service (issue 17). So far: the storage layer (:mod:`.store`, :mod:`.models`,
-Alembic migrations under ``migrations/``), which keeps submitters, submissions, attempts, runs
-and nonces, and the state machine of a submission."""
+"""The challenge service (issue 17): ``prism serve``.
+
+Storage: :mod:`.store`, :mod:`.models` and the Alembic migrations under ``migrations/`` (the
+state machine of a submission), :mod:`.blobs` (bundle bytes by sha256). Intake:
+:mod:`.archive` (safe zip extraction), :mod:`.intake` (gates, normalized-source and family
+hashes), :mod:`.signing` (sr25519, SS58), :mod:`.ratelimit`. The app: :mod:`.settings`,
+:mod:`.app` (``create_app``), :mod:`.routes` (submit, read, ops, pages), :mod:`.errors`,
+:mod:`.queries`, :mod:`.weights`, :mod:`.metrics`. The submitter's side: :mod:`.client`,
+:mod:`.keys` (``prism submit``, ``prism keygen``). The Ray dispatcher: ``dispatch`` (branch
+``fleet``), started by :func:`.app.start_dispatcher`.
+"""

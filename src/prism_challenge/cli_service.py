@@ -1,0 +1,162 @@
+"""``prism serve``, ``prism submit``, ``prism status`` and ``prism keygen`` (issue 17, items 2 and 7).
+
+Exit status: 0 done (a submission completed, a status read, a key written); 1 refused or not
+scored (local gates, the service's refusal, a failed or rejected submission); 2 a bad command
+line, settings or key file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def add_service_parsers(sub: Any) -> None:
+    """Register ``serve``, ``submit``, ``status`` and ``keygen`` on argparse ``subparsers``."""
+    p = sub.add_parser("serve", help="run the challenge service (FastAPI + uvicorn)",
+                       description="Settings: these options, then PRISM_* variables, then --config FILE (TOML).")
+    p.add_argument("--config", type=Path, help="a TOML settings file (keys named like the PRISM_* settings)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--profile", help="the challenge profile evaluated under (default prism-v2)")
+    p.add_argument("--data", dest="data_dir", type=Path, help="the profile's locked data directory")
+    p.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite under the user data directory)")
+    p.add_argument("--blob-root", type=Path, help="where bundle bytes are kept")
+    p.add_argument("--slots", type=int, help="evaluations at once on the embedded Ray instance")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--no-dispatch", dest="dispatch", action="store_const", const=False,
+                   help="intake and reading only: evaluate nothing")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("submit", help="gate locally, sign and upload a bundle, then follow it to its end")
+    p.add_argument("bundle", type=Path, help="bundle directory or .zip")
+    p.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
+    p.add_argument("--keyfile", required=True, type=Path, help="sr25519 key file (prism keygen, or a hotkey file)")
+    p.add_argument("--no-wait", action="store_true", help="print the id and return once accepted")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between status reads (default 2)")
+    p.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
+    p.add_argument("--json", action="store_true", help="print the final view as JSON")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="a submission's status, failure and scores")
+    p.add_argument("id", type=int)
+    p.add_argument("--url", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("keygen", help="write a development sr25519 key (mode 0600)")
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=cmd_keygen)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Apply the migrations, name the profile and serve until interrupted."""
+    import pydantic
+    import uvicorn
+
+    from prism_challenge.service.app import create_app
+    from prism_challenge.service.settings import ServiceSettings
+
+    given = {k: getattr(args, k) for k in ("host", "port", "profile", "data_dir", "database_url", "blob_root",
+                                           "slots", "ray_address", "dispatch")}
+    try:
+        settings = ServiceSettings.load(args.config, **given)
+    except (pydantic.ValidationError, FileNotFoundError) as exc:
+        print(f"prism serve: bad settings: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    app = create_app(settings)
+    p = app.state.profile
+    print(f"prism serve: profile {p.name} (sha256 {p.sha256[:12]}), database {app.state.store.url}, "
+          f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    return EXIT_OK
+
+
+def _show(view: dict) -> str:
+    line = f"submission {view['id']}: {view['status']} (attempt {view['attempts']}/{view['max_attempts']})"
+    if view.get("scores"):
+        s = view["scores"]
+        line += f"  prequential_bpb {s['prequential_bpb']:.4f}  final_score {s['final_score']:.6f}"
+    if view.get("failure"):
+        f = view["failure"]
+        rule = f" {f['rule']}" if f.get("rule") else ""
+        line += f"  [{f['stage']}, {f['kind']}{rule}] {f['message']}"
+    return line
+
+
+def _refused(exc) -> int:
+    print(f"refused: {exc}", file=sys.stderr)
+    for f in exc.error.get("findings") or []:
+        if f.get("blocking"):
+            print(f"  {f['file']}:{f['line']}: {f['rule']}: {f['message']}", file=sys.stderr)
+    if exc.error.get("duplicate_of") is not None:
+        print(f"  the earlier submission: {exc.error['duplicate_of']}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """``prism submit``: local gates, zip, sign, upload, follow."""
+    from prism_challenge.bundle import BundleError
+    from prism_challenge.gates.core import run_gates
+    from prism_challenge.service.client import ClientError, follow, upload, zip_bundle
+    from prism_challenge.service.keys import KeyfileError, read_keyfile
+
+    try:
+        seed, hotkey = read_keyfile(args.keyfile)
+        body = zip_bundle(args.bundle)
+        report = run_gates(args.bundle, check_params=False)
+    except (KeyfileError, ValueError) as exc:
+        print(f"prism submit: {exc}", file=sys.stderr)
+        return EXIT_USAGE if not isinstance(exc, BundleError) else EXIT_FAILED
+    try:
+        blocking = [f for f in report.findings if f.blocking]
+    finally:
+        report.cleanup()
+    if blocking:
+        print(f"prism submit: the local gates refuse {args.bundle} (nothing was sent):", file=sys.stderr)
+        for f in blocking:
+            print(f"  {f.location}: {f.rule}: {f.message}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        got = upload(args.url, body, seed)
+        print(f"accepted: submission {got['id']} by {hotkey} under profile {got['profile']}"
+              + (f", a training variant of {got['variant_of']}" if got.get("variant_of") else ""), flush=True)
+        if args.no_wait:
+            return EXIT_OK
+        view = follow(args.url, got["id"], poll_s=args.poll, timeout_s=args.timeout,
+                      on_change=lambda v: print(_show(v), flush=True))
+    except ClientError as exc:
+        return _refused(exc)
+    if args.json:
+        print(json.dumps(view, indent=2))
+    return EXIT_OK if view["status"] == "completed" else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``prism status ID``."""
+    from prism_challenge.service.client import ClientError, status
+
+    try:
+        view = status(args.url, args.id)
+    except ClientError as exc:
+        return _refused(exc)
+    print(json.dumps(view, indent=2) if args.json else _show(view))
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """``prism keygen --out FILE``: a new key, never over an existing file."""
+    from prism_challenge.service.keys import write_keyfile
+
+    try:
+        address = write_keyfile(args.out)
+    except FileExistsError:
+        print(f"prism keygen: {args.out} exists; not overwritten", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {args.out} (mode 0600): hotkey {address}")
+    return EXIT_OK

@@ -1,0 +1,117 @@
+"""The challenge service's application: :func:`create_app` (issue 17, item 2).
+
+``app.state`` holds what the routes share: ``settings`` (:class:`ServiceSettings`), ``profile``
+(the loaded challenge profile every submission is evaluated under), ``store`` (the database,
+migrated when the app is made), ``blobs`` (the bundles' bytes), ``rate_limiter``,
+``intake_limiter`` (intakes at once, off the event loop), ``metrics``, ``plots`` (the pages'
+rendered curves) and ``dispatcher`` (the Ray dispatcher while it runs, else ``None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+
+from prism_challenge import __version__
+from prism_challenge.profiles import load_profile
+from prism_challenge.service import errors
+from prism_challenge.service.blobs import BlobStore
+from prism_challenge.service.metrics import ServiceMetrics
+from prism_challenge.service.ratelimit import RateLimiter
+from prism_challenge.service.routes import ops, pages, read, submit
+from prism_challenge.service.settings import ServiceSettings
+from prism_challenge.service.store import Store
+
+log = logging.getLogger("prism.service")
+INTAKES_AT_ONCE = max(1, min(4, (os.cpu_count() or 2) // 2))
+"""Intakes (unpack, gates, hashes: CPU work in threads) run at once; the rest wait their turn."""
+DISPATCH_MODULE = "prism_challenge.service.dispatch"
+
+
+def start_dispatcher(app: FastAPI) -> None:
+    """The hook where the Ray dispatcher starts (``settings.dispatch``): it sets
+    ``app.state.dispatcher`` to an object whose ``stop()`` the lifespan calls at shutdown.
+
+    Raises:
+        RuntimeError: ``dispatch`` is on and :data:`DISPATCH_MODULE` is not installed (a service
+            that accepted submissions it never evaluates would lose them silently).
+    """
+    if importlib.util.find_spec(DISPATCH_MODULE) is None:
+        raise RuntimeError(f"settings.dispatch is on but {DISPATCH_MODULE} is not available "
+                           "(run with PRISM_DISPATCH=false / --no-dispatch for intake and reading only)")
+    module = importlib.import_module(DISPATCH_MODULE)
+    app.state.dispatcher = module.start(app.state)  # the lead wires the dispatcher's interface here
+
+
+def stop_dispatcher(app: FastAPI) -> None:
+    """Stop the dispatcher if one runs (its ``stop()``), and forget it."""
+    dispatcher, app.state.dispatcher = app.state.dispatcher, None
+    if dispatcher is not None:
+        dispatcher.stop()
+
+
+def create_app(settings: ServiceSettings | None = None) -> FastAPI:
+    """The FastAPI app of the service; its database is opened and migrated here.
+
+    Raises:
+        prism_challenge.profiles.ProfileError: the settings' profile cannot be loaded.
+        sqlalchemy.exc.ArgumentError: a malformed database URL.
+    """
+    settings = settings or ServiceSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.dispatch:
+            start_dispatcher(app)
+        log.info("prism service %s: profile %s (%s), database %s", __version__, app.state.profile.name,
+                 app.state.profile.sha256[:12], app.state.store.url)
+        try:
+            yield
+        finally:
+            stop_dispatcher(app)
+            app.state.store.close()
+
+    app = FastAPI(title="PRISM challenge service", version=__version__, lifespan=lifespan,
+                  description="Signed submissions, the same gates at intake, evaluation under one profile, "
+                              "a leaderboard and weights.")
+    profile = load_profile(settings.profile)
+    store = Store(settings.database_url)
+    app.state.settings, app.state.profile, app.state.store = settings, profile, store
+    app.state.blobs = BlobStore(settings.blob_root)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit, settings.rate_window_s)
+    app.state.intake_limiter = anyio.CapacityLimiter(INTAKES_AT_ONCE)
+    app.state.metrics = ServiceMetrics(store, profile.name)
+    app.state.dispatcher = None
+    app.state.plots = OrderedDict()  # routes/pages.py: rendered curve PNGs by run id
+    app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
+    errors.install(app)
+    app.add_exception_handler(errors.ApiError, _counted)
+    for module in (submit, read, ops, pages):
+        app.include_router(module.router)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        app.state.metrics.requests.labels(request.method, getattr(route, "path", "unmatched"),
+                                          str(response.status_code)).inc()
+        return response
+
+    return app
+
+
+def _counted(request: Request, exc: errors.ApiError):
+    """:class:`ApiError`'s answer, a refused submission counted by its code first."""
+    if request.method == "POST" and request.url.path.endswith("/submissions"):
+        request.app.state.metrics.intake.labels(exc.code).inc()
+    return exc.response()
+
+
+__all__ = ["create_app", "start_dispatcher", "stop_dispatcher"]

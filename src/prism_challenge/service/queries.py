@@ -1,0 +1,106 @@
+"""Reads of the service's database that the routes share: duplicates, families, a
+submission's view and the scored entries of a profile (the leaderboard's and the weights')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, select
+
+from prism_challenge.service.models import Attempt, Nonce, Run, Submission, Submitter
+from prism_challenge.service.store import Store
+
+REFUSES_DUPLICATES = ("pending", "running", "completed", "rejected")
+"""An earlier submission in one of these states makes a new one with the same normalized source
+a duplicate. A ``failed`` one (infrastructure failures with no attempt left, or a cancel) does
+not: its bundle was never judged, so it may be sent again."""
+
+
+def duplicate_of(store: Store, source_sha256: str, profile: str) -> int | None:
+    """The earliest submission under ``profile`` with this normalized source that refuses a
+    duplicate (:data:`REFUSES_DUPLICATES`), or ``None``."""
+    with store.sessions() as s:
+        return s.scalar(select(Submission.id).where(
+            Submission.source_sha256 == source_sha256, Submission.profile == profile,
+            Submission.status.in_(REFUSES_DUPLICATES)).order_by(Submission.id).limit(1))
+
+
+def family_root(store: Store, family_sha256: str, profile: str) -> int | None:
+    """The first submission of the family under ``profile`` (the one a new member is a
+    training variant of), or ``None`` for a new family."""
+    with store.sessions() as s:
+        return s.scalar(select(Submission.id).where(
+            Submission.family_sha256 == family_sha256, Submission.profile == profile,
+            Submission.variant_of.is_(None)).order_by(Submission.id).limit(1))
+
+
+def prune_nonces(store: Store, before: datetime) -> int:
+    """Delete the nonces recorded before ``before``; returns how many. Safe for
+    ``before = now - 2 * window``: such a nonce's request had a timestamp within the window of
+    its recording, so a replay of it now carries a timestamp outside the window and is refused
+    for that."""
+    with store.sessions.begin() as s:
+        return s.execute(delete(Nonce).where(Nonce.created_at < before)).rowcount
+
+
+def hotkey_of(store: Store, submission: Submission) -> str:
+    """The SS58 hotkey of ``submission``'s submitter."""
+    with store.sessions() as s:
+        return s.scalar(select(Submitter.hotkey).where(Submitter.id == submission.submitter_id))
+
+
+def latest_run(store: Store, submission_id: int) -> Run | None:
+    """The run of the submission's latest attempt that wrote one, or ``None``."""
+    with store.sessions() as s:
+        return s.scalar(select(Run).join(Attempt, Run.attempt_id == Attempt.id)
+                        .where(Attempt.submission_id == submission_id).order_by(Attempt.number.desc()).limit(1))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One scored submission as :func:`prism_challenge.verdict.rank` reads it (attribute names
+    are its keys) plus what the leaderboard shows.
+
+    ``prequential_bpb`` (bits per byte), ``heldout_delta`` (bpb, ``None`` without held-out),
+    ``final_score``, ``anti_cheat_multiplier``, ``memorization_penalty`` and ``flags`` come from
+    the run manifest's ``verdict``; ``submitted_at`` is the submission's creation (UTC).
+    """
+
+    id: int
+    hotkey: str
+    submitted_at: datetime
+    prequential_bpb: float
+    heldout_delta: float | None
+    final_score: float
+    anti_cheat_multiplier: float
+    memorization_penalty: float
+    flags: tuple[str, ...]
+    family_sha256: str | None
+    variant_of: int | None
+
+
+def scored_entries(store: Store, profile: str) -> list[Entry]:
+    """Every ``completed`` submission under ``profile`` with its scored run, unranked (only the
+    manifests' ``verdict`` sections are read from the database, not their curves)."""
+    with store.sessions() as s:
+        rows = s.execute(
+            select(Submission, Submitter.hotkey, Run.manifest["verdict"])
+            .join(Submitter, Submitter.id == Submission.submitter_id)
+            .join(Attempt, Attempt.submission_id == Submission.id)
+            .join(Run, Run.attempt_id == Attempt.id)
+            .where(Submission.profile == profile, Submission.status == "completed", Attempt.outcome == "completed",
+                   Run.status == "scored")).all()
+    return [_entry(sub, hotkey, verdict) for sub, hotkey, verdict in rows]
+
+
+def _entry(sub: Submission, hotkey: str, v: dict[str, Any]) -> Entry:
+    held = v.get("heldout") or {}
+    return Entry(id=sub.id, hotkey=hotkey, submitted_at=sub.created_at, prequential_bpb=v["prequential_bpb"],
+                 heldout_delta=held.get("heldout_delta"), final_score=v["final_score"],
+                 anti_cheat_multiplier=v["anti_cheat_multiplier"], memorization_penalty=v["memorization_penalty"],
+                 flags=tuple(v.get("flags") or ()), family_sha256=sub.family_sha256, variant_of=sub.variant_of)
+
+
+__all__ = ["Entry", "REFUSES_DUPLICATES", "duplicate_of", "family_root", "hotkey_of", "latest_run", "prune_nonces", "scored_entries"]

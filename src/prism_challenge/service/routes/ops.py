@@ -1,0 +1,44 @@
+"""``GET /health``, ``GET /version`` and ``GET /metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from prism_challenge import __version__
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/health", summary="the database answers; whether the dispatcher runs")
+def health(request: Request) -> JSONResponse:
+    """200 ``{"status": "ok", ...}``, or 503 when the database does not answer."""
+    state = request.app.state
+    try:
+        with state.store.engine.connect() as c:
+            c.execute(text("SELECT 1"))
+        db = "ok"
+    except Exception as exc:  # noqa: BLE001 - any failure of the database is "unhealthy"
+        db = f"{type(exc).__name__}: {exc}"
+    body = {"status": "ok" if db == "ok" else "unhealthy", "database": db, "profile": state.profile.name,
+            "dispatcher": "running" if state.dispatcher is not None else "off"}
+    return JSONResponse(body, status_code=200 if db == "ok" else 503)
+
+
+@router.get("/version", summary="the harness version and the profile evaluated under")
+def version(request: Request) -> dict:
+    """The package version, the API version and the challenge profile (name, version, sha256)."""
+    p = request.app.state.profile
+    return {"name": "prism-challenge", "version": __version__, "api": "v1",
+            "profile": {"name": p.name, "version": p.version, "sha256": p.sha256}}
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+def metrics(request: Request) -> Response:
+    """The app's registry in the Prometheus text format."""
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+__all__ = ["router"]

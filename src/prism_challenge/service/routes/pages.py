@@ -1,0 +1,84 @@
+"""The service's web pages, rendered on the server (Jinja2, autoescaped; no JavaScript): the
+leaderboard (``/``), a submission with its learning-curve plot (``/submissions/{id}``, the PNG
+at ``/submissions/{id}/curve.png`` drawn by :mod:`prism_challenge.plots`, the comparison
+plots) and "how to submit" (``/how-to-submit``). They show the JSON routes' data
+(:func:`~prism_challenge.service.routes.read.board`,
+:func:`~prism_challenge.service.routes.read.submission_view`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from prism_challenge.service.errors import ApiError
+from prism_challenge.service.queries import latest_run
+from prism_challenge.service.routes.read import SubmissionId, board, submission_view
+
+router = APIRouter(tags=["pages"], include_in_schema=False)
+templates = Jinja2Templates(directory=str(resources.files("prism_challenge") / "templates" / "service"))
+_PLOT_LOCK = threading.Lock()  # matplotlib promises no thread safety: one figure at a time
+PLOTS_KEPT = 64
+"""Rendered PNGs kept in memory per app (``app.state.plots``), by run id (a run is written once,
+so its plot never changes)."""
+
+
+def _page(request: Request, name: str, **context) -> HTMLResponse:
+    state = request.app.state
+    return templates.TemplateResponse(request, name, {"profile": state.profile, **context})
+
+
+@router.get("/", response_class=HTMLResponse)
+def leaderboard_page(request: Request) -> HTMLResponse:
+    """The leaderboard."""
+    return _page(request, "leaderboard.html", entries=board(request), epsilon=request.app.state.epsilon)
+
+
+@router.get("/submissions/{sid}", response_class=HTMLResponse)
+def submission_page(request: Request, sid: int = SubmissionId) -> HTMLResponse:
+    """A submission: status, failure, scores, its learning curve and attempts."""
+    view = submission_view(request, sid)
+    run = latest_run(request.app.state.store, sid)
+    has_curve = bool(run is not None and (run.manifest.get("curve") or {}).get("nats_per_target"))
+    return _page(request, "submission.html", s=view, has_curve=has_curve)
+
+
+@router.get("/submissions/{sid}/curve.png")
+def curve_png(request: Request, sid: int = SubmissionId) -> Response:
+    """The learning curve as PNG: per-batch (thin) and cumulative (thick) bpb against bytes."""
+    from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve
+
+    submission_view(request, sid)  # 404 for an unknown id
+    run = latest_run(request.app.state.store, sid)
+    try:
+        if run is None:
+            raise PlotError("no run")
+        with _PLOT_LOCK:
+            _plots: OrderedDict[int, bytes] = request.app.state.plots
+            png = _plots.get(run.id)
+            if png is None:
+                curve = run_curve(run.manifest, f"#{sid}")
+                png = figure_bytes(learning_curve_figure([curve], title=f"submission #{sid}"), "png")
+                _plots[run.id] = png
+                while len(_plots) > PLOTS_KEPT:
+                    _plots.popitem(last=False)
+            _plots.move_to_end(run.id)
+    except PlotError:
+        raise ApiError(404, "no-curve", f"submission {sid}: no scored batch to plot", rule="prism:no-run") from None
+    return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=60"})
+
+
+@router.get("/how-to-submit", response_class=HTMLResponse)
+def howto_page(request: Request) -> HTMLResponse:
+    """How to make a key, check a bundle and submit it; the wire format."""
+    s = request.app.state.settings
+    window = f"{s.rate_window_s / 3600:g} h" if s.rate_window_s >= 3600 else f"{s.rate_window_s:g} s"
+    return _page(request, "howto.html", base_url=str(request.base_url).rstrip("/"), max_body=s.max_body_bytes,
+                 window=s.signature_window_s, rate_limit=s.rate_limit, rate_window=window)
+
+
+__all__ = ["router"]

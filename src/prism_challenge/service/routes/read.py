@@ -1,0 +1,163 @@
+"""The reading routes: a submission, its curve and manifest, the leaderboard, the weights."""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import APIRouter, Path, Request
+
+from prism_challenge.service.errors import ApiError
+from prism_challenge.service.queries import hotkey_of, latest_run, scored_entries
+from prism_challenge.service.routes.auth import check_token
+from prism_challenge.service.weights import leaderboard, weights
+
+router = APIRouter(tags=["reading"])
+MAX_CURVE_POINTS = 500
+SubmissionId = Path(..., ge=1, le=2**62, description="the submission's id")
+
+
+def _submission(request: Request, sid: int):
+    row = request.app.state.store.submission(sid)
+    if row is None:
+        raise ApiError(404, "not-found", f"submission {sid}: no such submission", rule="prism:unknown-id")
+    return row
+
+
+def _iso(ts) -> str | None:
+    return ts.isoformat() if ts is not None else None
+
+
+def _rule_of(manifest: dict | None) -> str | None:
+    """The first blocking gate finding's rule of a failed run (``None`` when none names one)."""
+    findings = ((manifest or {}).get("gates") or {}).get("findings") or []
+    return next((f["rule"] for f in findings if f.get("blocking")), None)
+
+
+def _scores(manifest: dict | None) -> dict | None:
+    v = (manifest or {}).get("verdict")
+    if not v:
+        return None
+    held = v.get("heldout") or {}
+    return {"prequential_bpb": v["prequential_bpb"], "final_score": v["final_score"], "tail_bpb": v["tail_bpb"],
+            "heldout_delta": held.get("heldout_delta"), "val_bpb_trained": held.get("val_bpb_trained"),
+            "anti_cheat_multiplier": v["anti_cheat_multiplier"], "memorization_penalty": v["memorization_penalty"],
+            "flags": v["flags"]}
+
+
+def submission_view(request: Request, sid: int) -> dict:
+    """The JSON of ``GET /v1/submissions/{id}`` (also the submission page's data)."""
+    store = request.app.state.store
+    row = _submission(request, sid)
+    run = latest_run(store, sid)
+    manifest = run.manifest if run is not None else None
+    failure = None
+    if row.error_stage is not None:
+        failure = {"stage": row.error_stage, "kind": row.error_kind, "message": row.error_message,
+                   "rule": _rule_of(manifest)}
+    return {
+        "id": row.id, "hotkey": hotkey_of(store, row), "status": row.status, "profile": row.profile,
+        "created_at": _iso(row.created_at), "updated_at": _iso(row.updated_at), "finished_at": _iso(row.finished_at),
+        "attempts": row.attempts, "max_attempts": row.max_attempts, "bundle_sha256": row.bundle_sha256,
+        "source_sha256": row.source_sha256, "family_sha256": row.family_sha256, "variant_of": row.variant_of,
+        "failure": failure, "scores": _scores(manifest) if row.status == "completed" else None,
+        "history": [{"number": a.number, "started_at": _iso(a.started_at), "finished_at": _iso(a.finished_at),
+                     "outcome": a.outcome, "failure_stage": a.failure_stage, "failure_kind": a.failure_kind}
+                    for a in store.attempts(sid)],
+    }
+
+
+@router.get("/v1/submissions/{sid}", summary="a submission: status, failure (stage, kind, rule), scores")
+def get_submission(request: Request, sid: int = SubmissionId) -> dict:
+    """The submission's state, its failure if any and its scores once completed."""
+    return submission_view(request, sid)
+
+
+def sample_indices(n: int, most: int = MAX_CURVE_POINTS) -> list[int]:
+    """At most ``most`` indices of ``0..n-1``, evenly spread, the first and the last kept:
+    ``round(i * (n - 1) / (most - 1))`` for ``i = 0..most-1`` (all of them when ``n <= most``)."""
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
+
+
+def curve_points(manifest: dict) -> tuple[list[dict], int]:
+    """The run's learning curve as ``[{"batch", "bytes", "batch_bpb", "cumulative_bpb"}]``
+    (at most :data:`MAX_CURVE_POINTS`, :func:`sample_indices`) and the number of batches.
+    Per-batch and cumulative bpb as :func:`prism_challenge.plots.run_curve` defines them
+    (``nan`` -> ``None``).
+
+    Raises:
+        prism_challenge.plots.PlotError: the manifest has no curve.
+    """
+    from prism_challenge.plots import run_curve
+
+    curve = run_curve(manifest, "run")
+    n = len(curve.cumulative_bytes)
+
+    def num(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return [{"batch": i, "bytes": curve.cumulative_bytes[i], "batch_bpb": num(curve.batch_bpb[i]),
+             "cumulative_bpb": num(curve.cumulative_bpb[i])} for i in sample_indices(n)], n
+
+
+def _run_manifest(request: Request, sid: int) -> dict:
+    _submission(request, sid)
+    run = latest_run(request.app.state.store, sid)
+    if run is None:
+        raise ApiError(404, "no-run", f"submission {sid}: not evaluated yet (no run manifest)",
+                       rule="prism:no-run")
+    return run.manifest
+
+
+@router.get("/v1/submissions/{sid}/curve", summary="the learning curve, at most 500 points (first and last kept)")
+def get_curve(request: Request, sid: int = SubmissionId) -> dict:
+    """Bits per byte against bytes scored, per batch and cumulative."""
+    from prism_challenge.plots import PlotError
+
+    try:
+        points, batches = curve_points(_run_manifest(request, sid))
+    except PlotError:
+        raise ApiError(404, "no-curve", f"submission {sid}: its run scored no batch", rule="prism:no-run") from None
+    return {"id": sid, "batches": batches, "points": points}
+
+
+@router.get("/v1/submissions/{sid}/manifest", summary="the run manifest (prism_run_manifest.v2.json)")
+def get_manifest(request: Request, sid: int = SubmissionId) -> dict:
+    """The manifest of the submission's latest run (schema ``prism.run.v2``)."""
+    return _run_manifest(request, sid)
+
+
+def board(request: Request) -> list[dict]:
+    """The leaderboard's entries (also the leaderboard page's)."""
+    state = request.app.state
+    entries = leaderboard(scored_entries(state.store, state.profile.name), state.epsilon)
+    return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
+             "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
+             "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
+
+
+@router.get("/v1/leaderboard", summary="one entry per hotkey (its best run), in verdict.rank order")
+def get_leaderboard(request: Request) -> dict:
+    """The leaderboard under the service's profile."""
+    return {"profile": request.app.state.profile.name, "entries": board(request)}
+
+
+@router.get("/internal/v1/weights", summary="weights per hotkey, normalized (family-split or winner-takes-all)")
+def get_weights(request: Request) -> dict:
+    """Bearer token. The rule and its parameters are the service's settings."""
+    state = request.app.state
+    settings = state.settings
+    check_token(request, settings.internal_token.get_secret_value() if settings.internal_token else None)
+    store = state.store
+
+    def owner_of(sid: int) -> str:
+        return hotkey_of(store, store.submission(sid))
+
+    w = weights(scored_entries(store, state.profile.name), settings.weights_rule,
+                family_share=settings.family_share, owner_of=owner_of, epsilon=state.epsilon)
+    return {"profile": state.profile.name, "rule": settings.weights_rule, "family_share": settings.family_share,
+            "weights": w}
+
+
+__all__ = ["MAX_CURVE_POINTS", "board", "curve_points", "router", "sample_indices", "submission_view"]

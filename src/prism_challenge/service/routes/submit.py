@@ -1,0 +1,172 @@
+"""``POST /v1/submissions`` (sr25519-signed) and ``POST /internal/v1/submissions`` (gateway).
+
+The order of the checks, cheapest first, each answering its own code: the headers (400) and the
+timestamp window (401), the body read while it streams and cut at the limit (413), the signature
+(401), the hotkey's rate limit (429 with ``Retry-After``), the nonce (409: recorded only once
+the signature verified, so a forged request cannot burn a nonce), then the intake
+(:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings), the
+duplicate check (409 with the earlier id) and the new ``pending`` row (202). The bundle's
+bytes are stored (:class:`~prism_challenge.service.blobs.BlobStore`) before its row, under the
+sha256 of the zip, which is the row's ``bundle_sha256``: a dispatcher that sees the row finds
+the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from datetime import timedelta
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from prism_challenge.evaluator.isolation import IsolationError
+from prism_challenge.service.errors import ApiError
+from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
+from prism_challenge.service.models import utcnow
+from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
+from prism_challenge.service.ratelimit import RateLimiter
+from prism_challenge.service.routes.auth import (
+    VERIFIED_HOTKEY,
+    check_signature,
+    check_token,
+    hotkey_header,
+    signed_headers,
+)
+from prism_challenge.service.store import NonceReused
+
+router = APIRouter(tags=["submissions"])
+_REGISTER = threading.Lock()  # duplicate check + insert, one at a time in this process
+PRUNE_EVERY = 100
+"""Nonces older than twice the signature window are deleted after every this many recorded."""
+_recorded = itertools.count(1)
+_ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": {
+    "schema": {"type": "string", "format": "binary"}}}}}
+_SIGNED = {**_ZIP_BODY, "parameters": [
+    {"name": name, "in": "header", "required": True, "schema": {"type": "string"}, "description": text}
+    for name, text in (("X-Hotkey", "SS58 address"), ("X-Signature", "hex sr25519 signature of "
+                       "prism:{hotkey}:{nonce}:{timestamp}:{sha256(body) hex}"), ("X-Nonce", "never reused"),
+                       ("X-Timestamp", "Unix seconds"))]}
+_GATEWAY = {**_ZIP_BODY, "parameters": [
+    {"name": "X-Verified-Hotkey", "in": "header", "required": True, "schema": {"type": "string"}}]}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413 ``body-too-large``) as soon as more than ``limit`` bytes
+    are declared (``Content-Length``) or have arrived, before the rest is read."""
+    declared = request.headers.get("Content-Length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit, partial=True)
+        chunks.append(chunk)
+    if size == 0:
+        raise ApiError(400, "empty-body", "the request has no body: send the bundle's zip", stage="request",
+                       rule="prism:body")
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, partial: bool = False) -> ApiError:
+    what = f"{size:,} bytes arrived so far" if partial else f"Content-Length {size:,}"
+    return ApiError(413, "body-too-large", f"{what}: the limit is {limit:,} bytes", stage="request",
+                    rule="prism:body-limit")
+
+
+def _rate(request: Request, hotkey: str) -> None:
+    limiter: RateLimiter = request.app.state.rate_limiter
+    wait = limiter.hit(hotkey)
+    if wait is not None:
+        after = RateLimiter.retry_after(wait)
+        raise ApiError(429, "rate-limited", f"{hotkey}: more than {limiter.limit} submissions in "
+                       f"{limiter.window_s:g} s; retry in {after} s", stage="auth", rule="prism:rate-limit",
+                       headers={"Retry-After": after})
+
+
+@router.post("/v1/submissions", status_code=202, summary="submit a bundle (zip body), signed by an sr25519 hotkey",
+             openapi_extra=_SIGNED)
+async def submit(request: Request) -> JSONResponse:
+    """Headers ``X-Hotkey`` (SS58), ``X-Signature`` (hex sr25519 over
+    ``prism:{hotkey}:{nonce}:{timestamp}:{sha256(body)}``), ``X-Nonce``, ``X-Timestamp`` (Unix s)."""
+    settings = request.app.state.settings
+    hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s, settings.ss58_prefix)
+    body = await read_body(request, settings.max_body_bytes)
+    check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
+    _rate(request, hotkey)
+    await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
+                                   settings.signature_window_s)  # database writes: off the event loop
+    return await _accept(request, hotkey, body)
+
+
+def _use_nonce(store, hotkey: str, nonce: str, timestamp: int, window_s: int) -> None:
+    """Record the nonce (409 ``nonce-reused`` when the hotkey used it); every
+    :data:`PRUNE_EVERY` nonces, delete those older than twice the window."""
+    try:
+        store.use_nonce(hotkey, nonce, timestamp)
+    except NonceReused as exc:
+        raise ApiError(409, "nonce-reused", str(exc), stage="auth", rule="prism:nonce") from None
+    if next(_recorded) % PRUNE_EVERY == 0:
+        prune_nonces(store, utcnow() - timedelta(seconds=2 * window_s))
+
+
+@router.post("/internal/v1/submissions", status_code=202, summary="submit for a hotkey a trusted gateway verified",
+             openapi_extra=_GATEWAY)
+async def submit_internal(request: Request) -> JSONResponse:
+    """``Authorization: Bearer <internal token>`` and ``X-Verified-Hotkey`` (SS58)."""
+    settings = request.app.state.settings
+    check_token(request, settings.internal_token.get_secret_value() if settings.internal_token else None)
+    raw = request.headers.get(VERIFIED_HOTKEY, "").strip()
+    if not raw:
+        raise ApiError(400, "missing-header", f"{VERIFIED_HOTKEY}: required header is missing", stage="auth",
+                       rule="prism:internal-token")
+    hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
+    body = await read_body(request, settings.max_body_bytes)
+    _rate(request, hotkey)
+    return await _accept(request, hotkey, body)
+
+
+async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
+    state = request.app.state
+    t0 = time.monotonic()
+    try:
+        intake: Intake = await anyio.to_thread.run_sync(run_intake, body, state.settings, state.profile,
+                                                        limiter=state.intake_limiter)
+    except IntakeRefused as exc:
+        raise ApiError(422, exc.code, exc.message, stage=exc.stage, rule=exc.rule, findings=exc.findings) from None
+    except IsolationError as exc:  # intake_parameter_check on a host without strict isolation: ours, not theirs
+        raise ApiError(503, "isolation-unavailable", f"the intake's parameter check cannot run here: {exc}",
+                       stage="service", rule="prism:isolation") from None
+    finally:
+        state.metrics.intake_seconds.observe(time.monotonic() - t0)
+    sid, variant_of = await anyio.to_thread.run_sync(_register, state, hotkey, body, intake)
+    state.metrics.intake.labels("accepted").inc()
+    return JSONResponse(status_code=202, content={
+        "id": sid, "status": "pending", "hotkey": hotkey, "profile": state.profile.name,
+        "bundle_sha256": hashlib.sha256(body).hexdigest(), "source_sha256": intake.source_sha256,
+        "family_sha256": intake.family_sha256, "variant_of": variant_of, "findings": intake.findings,
+    })
+
+
+def _register(state, hotkey: str, body: bytes, intake: Intake) -> tuple[int, int | None]:
+    """Store the bytes, then the row (a duplicate refused); returns ``(id, variant_of)``."""
+    profile = state.profile.name
+    with _REGISTER:
+        earlier = duplicate_of(state.store, intake.source_sha256, profile)
+        if earlier is not None:
+            raise ApiError(409, "duplicate", f"the same normalized source as submission {earlier} (comments, "
+                           "docstrings and layout aside)", stage="intake", rule="prism:duplicate",
+                           duplicate_of=earlier)
+        variant_of = family_root(state.store, intake.family_sha256, profile)
+        sha = state.blobs.put(body)
+        sid = state.store.submit(hotkey, sha, max_attempts=state.settings.max_attempts,
+                                 source_sha256=intake.source_sha256, family_sha256=intake.family_sha256,
+                                 variant_of=variant_of, profile=profile)
+    return sid, variant_of
+
+
+__all__ = ["read_body", "router"]

@@ -1,0 +1,116 @@
+"""The service's settings (pydantic-settings): environment ``PRISM_*``, or a TOML file.
+
+Precedence, highest first: keyword arguments (``prism serve``'s options), the environment
+(``PRISM_PROFILE=prism-v2``, ``PRISM_SLOTS=4``, ...), the TOML file named by
+``PRISM_CONFIG`` (or :meth:`ServiceSettings.load`'s ``config``; top-level keys named like the
+fields), then the defaults below. Every field is documented where it is declared, once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from prism_challenge.bundle import IntakeLimits
+
+CONFIG_ENV = "PRISM_CONFIG"
+_LIMITS = IntakeLimits()
+WEIGHT_RULES = ("family-split", "winner-takes-all")
+"""The rules of ``GET /internal/v1/weights`` (:mod:`prism_challenge.service.weights`)."""
+
+
+class ServiceSettings(BaseSettings):
+    """Everything ``prism serve`` is configured with.
+
+    Raises:
+        pydantic.ValidationError: a value breaks its rule (the field is named).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PRISM_", extra="forbid", frozen=True)
+
+    database_url: str | None = Field(None, description="SQLAlchemy URL; None: the SQLite file under the user "
+                                     "data directory (prism_challenge.service.store.default_url)")
+    blob_root: Path | None = Field(None, description="bundle bytes by sha256; None: <user data dir>/blobs")
+    profile: str = Field("prism-v2", description="the challenge profile every submission is evaluated under "
+                         "(a shipped name or a TOML file)")
+    data_dir: Path | None = Field(None, description="the locked data directory of the profile (the dispatcher's)")
+    run_root: Path | None = Field(None, description="where run directories go; None: <user data dir>/runs")
+    slots: int = Field(1, ge=1, le=1024, description="evaluations at once on the embedded Ray instance")
+    ray_address: str | None = Field(None, description="join this Ray cluster (`ray start`); None: start a local one")
+    dispatch: bool = Field(True, description="start the Ray dispatcher (False: intake and reading only)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body in bytes (413 past it)")
+    max_bundle_files: int = Field(_LIMITS.max_files, ge=1, description="most zip members")
+    max_bundle_bytes: int = Field(_LIMITS.max_archive_bytes, ge=1, description="most uncompressed zip bytes")
+    max_bundle_ratio: float = Field(_LIMITS.max_ratio, gt=1, description="largest compression ratio of a member")
+    ss58_prefix: int = Field(42, ge=0, le=16383, description="the SS58 network of hotkeys (42: generic "
+                             "Substrate, Bittensor's); an address of another network is refused")
+    signature_window_s: int = Field(300, ge=1, description="|now - X-Timestamp| allowed, seconds")
+    rate_limit: int = Field(10, ge=1, description="verified submission requests per hotkey per window")
+    rate_window_s: float = Field(3600.0, gt=0, description="the rate limit's sliding window, seconds")
+    internal_token: SecretStr | None = Field(None, description="bearer token of the internal routes; None: they "
+                                             "answer 401")
+    max_attempts: int = Field(3, ge=1, le=100, description="evaluations of one submission at most (retries of "
+                              "infrastructure failures included)")
+    weights_rule: Literal["family-split", "winner-takes-all"] = "family-split"
+    family_share: float = Field(0.6, ge=0, le=1, description="family-split: the family owner's share; the best "
+                                "training variant on it gets 1 - family_share")
+    intake_parameter_check: bool = Field(False, description="also run the parameter cap (a sandboxed build_model) "
+                                         "at intake; the evaluation runs it anyway")
+    intake_timeout_s: float = Field(60.0, gt=0, description="the parameter cap's child limit at intake, seconds")
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        from prism_challenge.profiles import load_profile
+
+        load_profile(value)  # ProfileError (a ValueError) names the file and rule
+        return value
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments, then ``PRISM_*``, then the TOML file of ``PRISM_CONFIG``."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config = os.environ.get(CONFIG_ENV)
+        if config:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=_existing(Path(config))))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config: Path | None = None, **overrides: object) -> ServiceSettings:
+        """Settings from ``config`` (a TOML file; default ``$PRISM_CONFIG``), the environment and
+        ``overrides`` (``None`` values are dropped: an option not given).
+
+        Raises:
+            FileNotFoundError: ``config`` does not exist.
+            pydantic.ValidationError: a bad value.
+        """
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if config is None:
+            return cls(**given)
+        old = os.environ.get(CONFIG_ENV)
+        os.environ[CONFIG_ENV] = str(_existing(Path(config)))
+        try:
+            return cls(**given)
+        finally:
+            if old is None:
+                os.environ.pop(CONFIG_ENV, None)
+            else:
+                os.environ[CONFIG_ENV] = old
+
+
+def _existing(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such settings file ({CONFIG_ENV})")
+    return path
+
+
+__all__ = ["CONFIG_ENV", "ServiceSettings", "WEIGHT_RULES"]

@@ -1,0 +1,77 @@
+"""The leaderboard's order and the weights per hotkey (issue 17, item 5).
+
+Both start from the scored entries of the service's profile
+(:func:`prism_challenge.service.queries.scored_entries`) and order them with
+:func:`prism_challenge.verdict.rank` under the profile's ``rank_epsilon_bpb`` (the one ranking
+of the challenge: ``prism compare`` uses it too).
+
+Leaderboard (:func:`leaderboard`): one entry per hotkey, its best run: the hotkey's first entry
+in the ranking of every entry; those bests are then ranked again among themselves (the greedy
+epsilon groups depend on the set ranked).
+
+Weights (:func:`weights`), normalized to sum to 1 over hotkeys; only entries with a
+``final_score`` above 0 are eligible (a zeroed run earns nothing); no eligible entry: no
+weights. Rules (``weights_rule``):
+
+- ``winner-takes-all``: the first-ranked entry's hotkey gets 1.
+- ``family-split`` (the reference implementation's; ``family_share`` = 0.6 by default): the
+  best architecture family is the family of the first-ranked entry; the hotkey that submitted
+  the family's first submission (its architecture's author, :attr:`Entry.variant_of` or the
+  entry itself) gets ``family_share``, and the hotkey of the family's best entry (the
+  first-ranked one: the best training on that architecture, a variant or the original) gets
+  ``1 - family_share``. One hotkey holding both gets 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prism_challenge.service.queries import Entry
+from prism_challenge.verdict import DEFAULT_RANK_EPSILON_BPB, rank
+
+
+def leaderboard(entries: Iterable[Entry], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> list[Entry]:
+    """One entry per hotkey (its best), in rank order.
+
+    Raises:
+        prism_challenge.verdict.VerdictError: a non-finite bpb (a harness bug) or a negative epsilon.
+    """
+    best: dict[str, Entry] = {}
+    for e in rank(entries, epsilon):
+        best.setdefault(e.hotkey, e)
+    return rank(best.values(), epsilon)
+
+
+def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
+            owner_of: Callable[[int], str], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> dict[str, float]:
+    """The weight of each hotkey (sorted by hotkey; zero weights left out).
+
+    Args:
+        entries: the scored entries.
+        rule: ``family-split`` or ``winner-takes-all``.
+        family_share: ``family-split``'s share of the family's author, in [0, 1].
+        owner_of: the hotkey of a submission id (the family's first submission may have no
+            scored run).
+        epsilon: the ranking's epsilon, bpb.
+
+    Raises:
+        ValueError: an unknown rule, or ``family_share`` outside [0, 1].
+    """
+    if rule not in ("family-split", "winner-takes-all"):
+        raise ValueError(f"weights rule {rule!r}: must be family-split or winner-takes-all")
+    if not 0.0 <= family_share <= 1.0:
+        raise ValueError(f"family_share {family_share}: must be in [0, 1]")
+    ranked = rank([e for e in entries if e.final_score > 0], epsilon)
+    if not ranked:
+        return {}
+    best = ranked[0]
+    if rule == "winner-takes-all":
+        return {best.hotkey: 1.0}
+    out: dict[str, float] = {}
+    author = owner_of(best.variant_of if best.variant_of is not None else best.id)
+    for hotkey, share in ((author, family_share), (best.hotkey, 1.0 - family_share)):
+        out[hotkey] = out.get(hotkey, 0.0) + share
+    return {k: out[k] for k in sorted(out) if out[k] > 0}
+
+
+__all__ = ["leaderboard", "weights"]
