@@ -32,7 +32,7 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
 )
 
 from prism_challenge.service.dispatch import start
-from prism_challenge.service.worker import NAMESPACE
+from prism_challenge.service.worker import NAMESPACE, Evaluation, Job, actor_name
 
 pytestmark = pytest.mark.slow
 
@@ -133,4 +133,17 @@ def test_a_sigkilled_service_is_reconciled_by_the_next_dispatcher(world, service
     final(store, later, timeout=30)
     assert counts(store, later) == (1, 1)
     assert_same_as_direct(store, later, world["direct"])
+    # an actor outliving its written result (the service died between the write and the kill)
+    # is killed by the next reconcile; one whose token the database does not know is left alone
+    ended = store.attempts(running)[0].token
+    stray = ray.remote(Evaluation)
+    for token in (ended, "f" * 32):
+        stray.options(name=actor_name(token), namespace=NAMESPACE, lifetime="detached", num_cpus=0).remote(
+            Job(token=token, submission_id=running, bundle=b"not a zip", profile=world["profile"]))
+    wait(lambda: lookup(ended) and lookup("f" * 32), "the two stray actors")
+    d2.stop()  # reconcile() is the loop's own; called here with the loop stopped
+    assert d2.reconcile().killed == 1
+    wait(lambda: lookup(ended) is None, "the ended attempt's actor to be killed", timeout=30)
+    assert lookup("f" * 32) is not None
+    ray.kill(lookup("f" * 32), no_restart=True)
 

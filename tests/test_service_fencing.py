@@ -80,6 +80,7 @@ def test_each_attempt_has_its_own_token_and_a_superseded_result_is_discarded(sto
     assert (late.status, late.written, late.reason) == ("running", False, "superseded")
     assert f"submission {sid}: discarded the scored result of superseded attempt 1 (token {first.token})" in caplog.text
     assert _runs(store, sid) == 0 and store.submission(sid).status == "running"
+    assert store.ended([first.token, second.token, "f" * 32]) == {first.token}  # whose actors reconcile kills
     assert store.record(second.token, _scored()) == type(late)("completed", True, "written")
     assert _runs(store, sid) == 1 and store.result_of(sid).attempt_id == second.attempt_id
     assert [(a.number, a.outcome, a.failure_stage) for a in store.attempts(sid)] == [

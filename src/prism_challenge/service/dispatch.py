@@ -21,12 +21,14 @@ row. A ``submission`` failure is final at once.
 Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start`): every ``running``
 submission's current attempt is looked up by its actor's name; a live actor is tracked again
 (its running evaluation is left alone, a finished one's result collected), a missing one is
-recorded as lost (``dispatch``) and so re-dispatched. Actors of attempts that are not current
-any more are killed. Detached actors outlive the driver that made them on a cluster started with
+recorded as lost (``dispatch``) and so re-dispatched. Actors of attempts that have ended (a
+superseded attempt's included) are killed; actors whose token this database does not know are
+left alone. Detached actors outlive the driver that made them on a cluster started with
 ``ray start`` (``ray_address``); the embedded Ray (``ray_address=None``) is the service's own
 child and ends with it, so its running attempts are re-dispatched after a restart.
 
-One dispatcher per database: two would each kill the other's actors as orphans.
+One dispatcher per database: two would each adopt the other's running attempts (the fence keeps
+each result single, but both would track, write and kill).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def resources_for(profile: Profile, cluster_gpus: float) -> dict[str, float]:
 class Reconciled:
     """What :meth:`Dispatcher.reconcile` did: submission ids whose live attempt is tracked again,
     submission ids whose attempt was gone (recorded as lost: retried or failed), and the number of
-    actors killed because their attempt is not current."""
+    actors killed because their attempt has ended."""
 
     adopted: list[int]
     lost: list[int]
@@ -333,8 +335,9 @@ class Dispatcher:
     # -- recovery -----------------------------------------------------------------------------
     def reconcile(self) -> Reconciled:
         """Match every ``running`` submission this dispatcher does not track against the cluster
-        (module docstring). Run at start, then every :data:`RECONCILE_S` seconds (a claim whose
-        actor could not be made and whose failure could not be written is found again)."""
+        (module docstring). Run at start, then every :data:`RECONCILE_S` seconds by the loop (a
+        claim whose actor could not be made and whose failure could not be written is found
+        again); not thread-safe: call it yourself only while the loop is stopped."""
         import ray
 
         adopted, lost = [], []
@@ -356,15 +359,16 @@ class Dispatcher:
             self._track(claim, actor)
             adopted.append(claim.submission_id)
         killed = 0
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            name, namespace = entry["name"], entry["namespace"]
-            if namespace == NAMESPACE and name.startswith(ACTOR_PREFIX) and name[len(ACTOR_PREFIX):] not in self._tracked:
-                try:
-                    _kill(ray.get_actor(name, namespace=NAMESPACE))
-                    killed += 1
-                    log.warning("killed the actor %s of an attempt that is not current", name)
-                except ValueError:
-                    pass
+        untracked = [e["name"][len(ACTOR_PREFIX):] for e in ray.util.list_named_actors(all_namespaces=True)
+                     if e["namespace"] == NAMESPACE and e["name"].startswith(ACTOR_PREFIX)
+                     and e["name"][len(ACTOR_PREFIX):] not in self._tracked]
+        for token in sorted(self.store.ended(untracked)):  # another database's actors are left alone
+            try:
+                _kill(ray.get_actor(actor_name(token), namespace=NAMESPACE))
+                killed += 1
+                log.warning("killed the actor of attempt token %s, which has ended (its result was written)", token)
+            except ValueError:
+                pass
         self._last_reconcile = time.monotonic()
         if adopted or lost or killed:
             log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors", self.name, adopted,

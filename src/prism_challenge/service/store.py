@@ -311,6 +311,13 @@ class Store:
                              .order_by(Submission.id)).scalars()
             return [Claim(a.submission_id, a.id, a.number, a.token or "") for a in rows]
 
+    def ended(self, tokens: list[str]) -> set[str]:
+        """The fencing tokens among ``tokens`` whose attempt has ended (an outcome is written)."""
+        if not tokens:
+            return set()
+        with self.sessions() as s:
+            return set(s.scalars(select(Attempt.token).where(Attempt.token.in_(tokens), Attempt.outcome.is_not(None))))
+
     def dispatcher_beat(self, name: str, *, ray_address: str | None = None, stopped: bool = False) -> None:
         """Register dispatcher ``name`` (first call), refresh its heartbeat, or mark it stopped."""
         now = utcnow()
