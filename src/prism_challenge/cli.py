@@ -1,5 +1,5 @@
 """The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``serve``, ``submit``,
-``status``, ``keygen``."""
+``status``, ``keygen``, ``fleet``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.cli_service import add_service_parsers
 
     add_service_parsers(sub)
+    from prism_challenge.service.fleet_cli import add_fleet_parser
+
+    add_fleet_parser(sub)
     return parser
 
 

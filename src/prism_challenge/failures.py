@@ -82,6 +82,9 @@ FAILURE_KINDS: tuple[StageKind, ...] = (
     StageKind("scoring", ANY_CAUSE, SUBMISSION, "the records cannot be scored: no bytes covered, a non-finite total"),
     StageKind("storage", ANY_CAUSE, INFRASTRUCTURE,
               "the harness could not write the run directory or the scored state: disk full, quota, permissions"),
+    StageKind("dispatch", ANY_CAUSE, INFRASTRUCTURE,
+              "the service lost the evaluation: its Ray worker or node died, its actor was gone after a restart, "
+              "the bundle's stored bytes could not be read, or the harness raised on the node"),
     StageKind("cancelled", ANY_CAUSE, CANCELLED, "the caller cancelled the run; its process tree was killed"),
     StageKind(ANY_STAGE, REPORTED, SUBMISSION,
               "a failure the runner reported from inside a rank (stages `setup`, `import`, `train`, `state`, ...): "

@@ -6,6 +6,13 @@ row: ``started_at``), every end (the attempt's ``finished_at`` and ``outcome``),
 state (``submissions.finished_at``). ``submissions.attempts`` counts the attempts started; a
 retry is allowed while it is below ``submissions.max_attempts``. The schema is created by the
 Alembic migrations of ``service/migrations`` (a test checks they match these models).
+
+Fencing (migration 0003, issue 18): every attempt has its own random ``token``; only the
+submission's current attempt (its ``number`` equals ``submissions.attempts``, no outcome yet) may
+write a result, and a run is stored once per submission (``runs.submission_id`` is unique), in
+the transaction that moves the submission to its final state. ``attempts.heartbeat_at`` is
+refreshed by the dispatcher that tracks the attempt, ``dispatchers.heartbeat_at`` by each running
+dispatcher: a non-final submission whose owner's heartbeat is stale has no owner (the watchdog).
 """
 
 from __future__ import annotations
@@ -103,6 +110,9 @@ class Submission(Base):
     """The first submission of this family when this one is a training variant of it."""
     profile: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     """The challenge profile the submission is evaluated under (``prism-v2``)."""
+    # Fencing and recovery (migration 0003).
+    not_before: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    """A retried submission is not claimed before this time (the backoff); ``None``: at once."""
 
 
 class Attempt(Base):
@@ -111,6 +121,7 @@ class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (
         UniqueConstraint("submission_id", "number", name="uq_attempts_submission_number"),
+        UniqueConstraint("token", name="uq_attempts_token"),
         CheckConstraint(f"outcome IS NULL OR outcome IN ({', '.join(repr(s) for s in OUTCOMES)})",
                         name="ck_attempts_outcome"),
     )
@@ -124,20 +135,43 @@ class Attempt(Base):
     failure_stage: Mapped[str | None] = mapped_column(String(32), nullable=True)
     failure_kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
     failure_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Fencing and recovery (migration 0003); NULL on rows made before it.
+    token: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    """The attempt's fencing token (32 hex digits, random): its result is written only under it."""
+    node: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    """The Ray node the evaluation runs on (``ip node-id``), once known."""
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    """Refreshed by the dispatcher tracking the attempt while it runs."""
 
 
 class Run(Base):
-    """The run manifest an attempt produced (one per attempt, written once)."""
+    """The submission's result: the run manifest of its final attempt (one per submission,
+    written once, in the transaction that makes the submission final)."""
 
     __tablename__ = "runs"
+    __table_args__ = (UniqueConstraint("submission_id", name="uq_runs_submission_id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), unique=True, nullable=False)
+    submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", name="fk_runs_submission_id"),
+                                                      nullable=True)
     status: Mapped[str] = mapped_column(String(16), nullable=False)  # the manifest's status
     run_dir: Mapped[str | None] = mapped_column(Text, nullable=True)
     prequential_bpb: Mapped[float | None] = mapped_column(Float, nullable=True)
     final_score: Mapped[float | None] = mapped_column(Float, nullable=True)
     manifest: Mapped[dict] = mapped_column(JSON, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+
+
+class Dispatcher(Base):
+    """A dispatcher process (:mod:`prism_challenge.service.dispatch`) and its heartbeat."""
+
+    __tablename__ = "dispatchers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)  # host:pid:random
+    ray_address: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    stopped_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Nonce(Base):

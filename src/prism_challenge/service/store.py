@@ -7,16 +7,22 @@ The state machine of a submission (:data:`TRANSITIONS`)::
                   \\-> pending   (an infrastructure failure while attempts are left)
 
 ``running`` is entered only by :meth:`Store.claim`, a compare-and-set on ``status = 'pending'``
-that also counts the attempt, so two workers can never evaluate one submission at once; an
-attempt's result is written once (:meth:`Store.finish` refuses a second write and a stale
-attempt). Outcomes (:func:`outcome_of`): scored -> ``completed``; a ``submission`` failure ->
+that also counts the attempt and gives it a fresh fencing token, so two workers can never
+evaluate one submission at once. Only the current attempt writes a result (:meth:`Store.record`,
+by token: a superseded attempt's result is discarded and logged, the same result written twice
+changes nothing; :meth:`Store.finish`, by attempt id, refuses both), and the transaction that
+stores the submission's one run (``runs.submission_id`` is unique) makes it final; a retried
+attempt stores its reason on its ``attempts`` row and no run. Outcomes (:func:`outcome_of`): scored -> ``completed``; a ``submission`` failure ->
 ``rejected`` (final); an ``infrastructure`` failure -> ``pending`` again while ``attempts <
 max_attempts``, else ``failed``; a cancel -> ``failed``.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, select, update
@@ -26,11 +32,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
 from prism_challenge.results import EvalResult
-from prism_challenge.service.models import Attempt, Nonce, Run, Submission, Submitter, utcnow
+from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, utcnow
+
+log = logging.getLogger("prism_challenge.service")
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 DB_NAME = "prism.sqlite3"
 DEFAULT_MAX_ATTEMPTS = 3  # one evaluation and two retries of infrastructure failures
+CLAIM_CANDIDATES = 16  # the oldest ready submissions one claim tries (another worker may take some first)
 TRANSITIONS = frozenset({("pending", "running"), ("running", "completed"), ("running", "failed"),
                          ("running", "rejected"), ("running", "pending")})
 """Every change of a submission's status the store makes (``(from, to)``)."""
@@ -79,11 +88,24 @@ def outcome_of(result: EvalResult, attempts: int, max_attempts: int) -> tuple[st
 
 @dataclass(frozen=True)
 class Claim:
-    """A submission taken for evaluation: its id, the attempt's id and number (1, 2, ...)."""
+    """A submission taken for evaluation: its id, the attempt's id and number (1, 2, ...) and
+    the attempt's fencing token (32 hex digits; ``""`` for an attempt made before migration 0003)."""
 
     submission_id: int
     attempt_id: int
     number: int
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What :meth:`Store.record` did: the submission's status after it, whether this call wrote
+    the result, and why (``written``, ``duplicate``: the same result was already written,
+    ``superseded``: the attempt is not the current one, its result was discarded)."""
+
+    status: str
+    written: bool
+    reason: str
 
 
 class Store:
@@ -108,15 +130,33 @@ class Store:
         self.migrate()
 
     def migrate(self) -> None:
-        """Apply every Alembic migration not applied yet (``upgrade head``)."""
+        """Apply every Alembic migration not applied yet (``upgrade head``).
+
+        On SQLite, foreign keys are off while the migrations run (a batch migration copies a
+        table that others refer to, which the check would refuse), and checked afterwards.
+
+        Raises:
+            StoreError: a row refers to a row that does not exist after the migrations.
+        """
         from alembic import command
         from alembic.config import Config
 
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
-        with self.engine.begin() as connection:
-            config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+        sqlite = self.engine.dialect.name == "sqlite"
+        with self.engine.connect() as connection:
+            if sqlite:  # a no-op inside a transaction: set before it begins
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()
+                if broken:
+                    raise StoreError(f"after the migrations, rows refer to missing rows: {broken[:5]}")
 
     def close(self) -> None:
         """Release the engine's connections."""
@@ -154,30 +194,40 @@ class Store:
         if max_attempts < 1:
             raise StoreError(f"max_attempts = {max_attempts}: must be at least 1")
         now = utcnow()
-        with self.sessions.begin() as s:
-            submitter = _submitter(s, hotkey, now)
-            row = Submission(submitter_id=submitter.id, bundle_sha256=bundle_sha256, status="pending", attempts=0,
-                             max_attempts=max_attempts, created_at=now, updated_at=now, source_sha256=source_sha256,
-                             family_sha256=family_sha256, variant_of=variant_of, profile=profile)
-            s.add(row)
-            s.flush()
-            return row.id
+        for last in (False, True):  # a hotkey's first two submissions at once: one makes the submitter
+            try:
+                with self.sessions.begin() as s:
+                    submitter = _submitter(s, hotkey, now)
+                    row = Submission(submitter_id=submitter.id, bundle_sha256=bundle_sha256, status="pending",
+                                     attempts=0, max_attempts=max_attempts, created_at=now, updated_at=now,
+                                     source_sha256=source_sha256, family_sha256=family_sha256, variant_of=variant_of,
+                                     profile=profile)
+                    s.add(row)
+                    s.flush()
+                    return row.id
+            except IntegrityError as exc:
+                if last or "hotkey" not in str(exc.orig):
+                    raise
+        raise AssertionError("unreachable")
 
     # -- evaluation ---------------------------------------------------------------------------
     def claim(self, submission_id: int | None = None, *, worker: str | None = None) -> Claim | None:
-        """Take a ``pending`` submission (``submission_id``, or the oldest) for evaluation:
-        ``running``, one more attempt. ``None`` when there is none (or another worker took it).
+        """Take a ``pending`` submission (``submission_id``, or the oldest whose backoff is over)
+        for evaluation: ``running``, one more attempt with a fresh fencing token. ``None`` when
+        there is none (or another worker took it).
 
         On PostgreSQL the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent
         workers take different rows without waiting on each other; on every database the change
         itself is a compare-and-set on ``status = 'pending'`` (SQLite has no row locks: its
-        writers take turns on the file).
+        writers take turns on the file). At most :data:`CLAIM_CANDIDATES` rows are tried.
         """
         tried: list[int] = []
         with self.sessions.begin() as s:
-            while True:
+            now = utcnow()
+            ready = (Submission.not_before.is_(None)) | (Submission.not_before <= now)
+            while len(tried) < CLAIM_CANDIDATES:
                 q = (select(Submission.id)
-                     .where(Submission.status == "pending", Submission.attempts < Submission.max_attempts)
+                     .where(Submission.status == "pending", ready, Submission.attempts < Submission.max_attempts)
                      .order_by(Submission.id).limit(1).with_for_update(skip_locked=True))
                 if submission_id is not None:
                     q = q.where(Submission.id == submission_id)
@@ -186,32 +236,33 @@ class Store:
                 sid = s.scalar(q)
                 if sid is None:
                     return None
-                now = utcnow()
                 taken = s.execute(
                     update(Submission)
-                    .where(Submission.id == sid, Submission.status == "pending",
+                    .where(Submission.id == sid, Submission.status == "pending", ready,
                            Submission.attempts < Submission.max_attempts)
-                    .values(status="running", attempts=Submission.attempts + 1, updated_at=now)
+                    .values(status="running", attempts=Submission.attempts + 1, updated_at=now, not_before=None)
                     .execution_options(synchronize_session=False)
                 ).rowcount
                 if taken != 1:  # another worker took it between the read and the write
                     tried.append(sid)
                     continue
                 number = s.scalar(select(Submission.attempts).where(Submission.id == sid))
-                attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now)
+                attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now,
+                                  token=secrets.token_hex(16), heartbeat_at=now)
                 s.add(attempt)
                 s.flush()
-                return Claim(sid, attempt.id, number)
+                return Claim(sid, attempt.id, number, attempt.token)
+        return None
 
-    def finish(self, attempt_id: int, result: EvalResult) -> str:
+    def finish(self, attempt_id: int, result: EvalResult, *, backoff_s: float = 0.0) -> str:
         """Write the result of attempt ``attempt_id`` (once) and move its submission on;
-        returns the submission's new status.
+        returns the submission's new status. Strict: for the fenced, idempotent write of a
+        dispatcher see :meth:`record`.
 
         Raises:
             TransitionError: the attempt already has a result, is not its submission's current
                 attempt, or the submission is not ``running``.
         """
-        now = utcnow()
         with self.sessions.begin() as s:
             attempt = s.get(Attempt, attempt_id, with_for_update=True)
             if attempt is None:
@@ -219,26 +270,80 @@ class Store:
             sub = s.get(Submission, attempt.submission_id, with_for_update=True)
             if attempt.outcome is not None:
                 raise TransitionError(f"attempt {attempt_id}: its result was already written ({attempt.outcome})")
-            if sub.status != "running" or sub.attempts != attempt.number:
+            if not _current(sub, attempt):
                 raise TransitionError(f"attempt {attempt_id}: submission {sub.id} is {sub.status} at attempt "
                                       f"{sub.attempts}, not running attempt {attempt.number}")
-            outcome, status = outcome_of(result, sub.attempts, sub.max_attempts)
-            _check(sub.status, status)
-            failure = result.failure
-            attempt.finished_at, attempt.outcome = now, outcome
-            if failure is not None:
-                attempt.failure_stage, attempt.failure_kind, attempt.failure_message = (
-                    failure.stage, failure.kind, failure.message)
-            s.add(Run(attempt_id=attempt.id, status=result.status, run_dir=result.run_dir,
-                      prequential_bpb=result.prequential_bpb, final_score=result.final_score,
-                      manifest=result.manifest.to_json_dict(), created_at=now))
-            sub.status, sub.updated_at = status, now
-            if status != "pending":
-                sub.finished_at = now
-            sub.error_stage = failure.stage if failure else None
-            sub.error_kind = failure.kind if failure else None
-            sub.error_message = failure.message if failure else None
-            return status
+            return _write(s, sub, attempt, result, backoff_s)
+
+    def record(self, token: str, result: EvalResult, *, backoff_s: float = 0.0,
+               max_attempts: int | None = None) -> Recorded:
+        """The fenced write of a dispatcher: store ``result`` under the attempt of fencing token
+        ``token`` if it is its submission's current attempt, in one transaction with the
+        submission's move to its next state (``backoff_s``: a retried submission is not claimed
+        again for this many seconds). Idempotent: the same result written again changes
+        nothing. A result of a superseded attempt (or another result for an attempt already
+        written) is discarded and logged (logger ``prism_challenge.service``, warning).
+        ``max_attempts``: the dispatcher's cap on attempts, below the submission's own when
+        lower (an infrastructure failure at the cap is final).
+
+        Raises:
+            TransitionError: no attempt has this token.
+        """
+        with self.sessions.begin() as s:
+            attempt = s.scalar(select(Attempt).where(Attempt.token == token).with_for_update())
+            if attempt is None:
+                raise TransitionError(f"token {token}: no attempt has this fencing token")
+            sub = s.get(Submission, attempt.submission_id, with_for_update=True)
+            if attempt.outcome is not None and _same(s, attempt, result):
+                return Recorded(sub.status, False, "duplicate")
+            if attempt.outcome is not None or not _current(sub, attempt):
+                why = (f"attempt {attempt.number} already ended ({attempt.outcome})" if attempt.outcome
+                       else f"the submission is {sub.status} at attempt {sub.attempts}")
+                log.warning("submission %d: discarded the %s result of superseded attempt %d (token %s): %s",
+                            sub.id, result.status, attempt.number, token, why)
+                return Recorded(sub.status, False, "superseded")
+            return Recorded(_write(s, sub, attempt, result, backoff_s, max_attempts), True, "written")
+
+    def heartbeat(self, tokens: list[str], *, node: dict[str, str] | None = None) -> int:
+        """Refresh the heartbeat of the live attempts of ``tokens`` (and set the nodes named in
+        ``node``, token -> node); returns the number of attempts refreshed."""
+        if not tokens:
+            return 0
+        now = utcnow()
+        with self.sessions.begin() as s:
+            n = s.execute(update(Attempt).where(Attempt.token.in_(tokens), Attempt.outcome.is_(None))
+                          .values(heartbeat_at=now).execution_options(synchronize_session=False)).rowcount
+            for token, where in (node or {}).items():
+                s.execute(update(Attempt).where(Attempt.token == token).values(node=where[:128])
+                          .execution_options(synchronize_session=False))
+            return n
+
+    def running(self) -> list[Claim]:
+        """The current attempt of every ``running`` submission (oldest submission first)."""
+        with self.sessions() as s:
+            rows = s.execute(select(Attempt).join(Submission, Submission.id == Attempt.submission_id)
+                             .where(Submission.status == "running", Attempt.number == Submission.attempts)
+                             .order_by(Submission.id)).scalars()
+            return [Claim(a.submission_id, a.id, a.number, a.token or "") for a in rows]
+
+    def ended(self, tokens: list[str]) -> set[str]:
+        """The fencing tokens among ``tokens`` whose attempt has ended (an outcome is written)."""
+        if not tokens:
+            return set()
+        with self.sessions() as s:
+            return set(s.scalars(select(Attempt.token).where(Attempt.token.in_(tokens), Attempt.outcome.is_not(None))))
+
+    def dispatcher_beat(self, name: str, *, ray_address: str | None = None, stopped: bool = False) -> None:
+        """Register dispatcher ``name`` (first call), refresh its heartbeat, or mark it stopped."""
+        now = utcnow()
+        with self.sessions.begin() as s:
+            row = s.scalar(select(Dispatcher).where(Dispatcher.name == name))
+            if row is None:
+                row = Dispatcher(name=name, ray_address=ray_address, started_at=now, heartbeat_at=now)
+                s.add(row)
+            row.heartbeat_at = now
+            if stopped:
+                row.stopped_at = now
 
     # -- reading ------------------------------------------------------------------------------
     def submission(self, submission_id: int) -> Submission | None:
@@ -256,6 +361,54 @@ class Store:
         """The run an attempt wrote, or ``None``."""
         with self.sessions() as s:
             return s.scalar(select(Run).where(Run.attempt_id == attempt_id))
+
+    def result_of(self, submission_id: int) -> Run | None:
+        """The submission's result (its final attempt's run), or ``None`` before it is final."""
+        with self.sessions() as s:
+            return s.scalar(select(Run).where(Run.submission_id == submission_id))
+
+
+def _current(sub: Submission, attempt: Attempt) -> bool:
+    """Whether ``attempt`` is ``sub``'s current attempt, still running (the fence)."""
+    return sub.status == "running" and sub.attempts == attempt.number and attempt.outcome is None
+
+
+def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, backoff_s: float,
+           max_attempts: int | None = None) -> str:
+    """Store the attempt's outcome and, when the submission becomes final, its one run, and move
+    the submission on (the caller's transaction); returns the new status."""
+    now = utcnow()
+    cap = sub.max_attempts if max_attempts is None else min(sub.max_attempts, max_attempts)
+    outcome, status = outcome_of(result, sub.attempts, cap)
+    _check(sub.status, status)
+    failure = result.failure
+    attempt.finished_at, attempt.outcome, attempt.heartbeat_at = now, outcome, now
+    if failure is not None:
+        attempt.failure_stage, attempt.failure_kind, attempt.failure_message = (
+            failure.stage, failure.kind, failure.message)
+    if status == "pending":
+        sub.not_before = now + timedelta(seconds=max(0.0, backoff_s))
+    else:
+        s.add(Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=result.run_dir,
+                  prequential_bpb=result.prequential_bpb, final_score=result.final_score,
+                  manifest=result.manifest.to_json_dict(), created_at=now))
+        sub.finished_at = now
+    sub.status, sub.updated_at = status, now
+    sub.error_stage = failure.stage if failure else None
+    sub.error_kind = failure.kind if failure else None
+    sub.error_message = failure.message if failure else None
+    return status
+
+
+def _same(s: Session, attempt: Attempt, result: EvalResult) -> bool:
+    """Whether ``result`` is what the ended ``attempt`` already stored (its run's manifest, or
+    for a retried attempt, which stores no run, its failure)."""
+    run = s.scalar(select(Run).where(Run.attempt_id == attempt.id))
+    if run is not None:
+        return run.manifest == result.manifest.to_json_dict()
+    f = result.failure
+    return f is not None and (attempt.failure_stage, attempt.failure_kind, attempt.failure_message) == (
+        f.stage, f.kind, f.message)
 
 
 def _check(old: str, new: str) -> None:
@@ -280,5 +433,5 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-__all__ = ["Claim", "DEFAULT_MAX_ATTEMPTS", "NonceReused", "Store", "StoreError", "TRANSITIONS", "TransitionError",
+__all__ = ["Claim", "DEFAULT_MAX_ATTEMPTS", "NonceReused", "Recorded", "Store", "StoreError", "TRANSITIONS", "TransitionError",
            "default_url", "outcome_of"]

@@ -1,0 +1,404 @@
+"""The dispatcher: pending submissions to Ray, their results back into the store, exactly once.
+
+A :class:`Dispatcher` runs one thread in the service. Each round it
+
+1. refreshes its own heartbeat and that of every attempt it tracks (the watchdog's "owner",
+   :mod:`prism_challenge.service.watch`), with the Ray node of each once known;
+2. collects the attempts that ended: a result comes back through Ray
+   (:class:`~prism_challenge.service.worker.Evaluation`), an actor that died (its process
+   SIGKILLed, its node lost) becomes an ``infrastructure`` failure at stage ``dispatch``; each
+   is written with :meth:`Store.record <prism_challenge.service.store.Store.record>` under the
+   attempt's fencing token (a superseded attempt's result is discarded, a write retried after
+   a dropped connection changes nothing), and only then is the actor killed;
+3. claims pending submissions while fewer than ``slots`` attempts are in flight, and creates one
+   detached, named actor per attempt on the node Ray picks, asking for the run's resources
+   (:func:`resources_for`), with the bundle's bytes and the loaded profile as its argument.
+
+Retries: an ``infrastructure`` failure puts the submission back to ``pending`` with a backoff
+(:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
+row. A ``submission`` failure is final at once.
+
+Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start`): every ``running``
+submission's current attempt is looked up by its actor's name; a live actor is tracked again
+(its running evaluation is left alone, a finished one's result collected), a missing one is
+recorded as lost (``dispatch``) and so re-dispatched. Actors of attempts that have ended (a
+superseded attempt's included) are killed; actors whose token this database does not know are
+left alone. Detached actors outlive the driver that made them on a cluster started with
+``ray start`` (``ray_address``); the embedded Ray (``ray_address=None``) is the service's own
+child and ends with it, so its running attempts are re-dispatched after a restart.
+
+One dispatcher per database: two would each adopt the other's running attempts (the fence keeps
+each result single, but both would track, write and kill).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prism_challenge.failures import EvalFailure
+from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
+from prism_challenge.results import EvalResult
+from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError
+from prism_challenge.service.worker import (
+    ACTOR_PREFIX,
+    NAMESPACE,
+    Evaluation,
+    Job,
+    actor_name,
+    failure_result,
+)
+
+log = logging.getLogger("prism_challenge.service")
+
+DEFAULT_SLOTS = 2
+DEFAULT_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 600.0
+POLL_S = 0.5  # how long a round waits for results when attempts are in flight
+HEARTBEAT_S = 5.0  # how often the dispatcher's and its attempts' heartbeats are written
+RECONCILE_S = 60.0  # how often a running dispatcher reconciles again
+ACTOR_CONCURRENCY = 4  # an actor answers result(), where() and progress() while its run goes on
+RESULT_WAIT_S = 30.0  # one result() call waits this long at most; the dispatcher then asks again
+
+
+def backoff_s(attempt: int, base_s: float = DEFAULT_BACKOFF_S, cap_s: float = MAX_BACKOFF_S) -> float:
+    """Seconds before a submission whose attempt ``attempt`` (1, 2, ...) failed for the
+    infrastructure is claimed again: ``min(cap_s, base_s * 2 ** (attempt - 1))`` (exponential
+    backoff)."""
+    return min(cap_s, base_s * 2.0 ** max(0, attempt - 1))
+
+
+def resources_for(profile: Profile, cluster_gpus: float) -> dict[str, float]:
+    """The Ray resources one run of ``profile`` asks for.
+
+    A GPU profile (``device = "cuda"``, or ``"auto"`` on a cluster with GPUs) asks for one GPU
+    per process (``nproc``) and one CPU for the trusted parent (feeder, scoring); a CPU profile
+    asks for one CPU per process. With the embedded Ray of ``slots`` CPUs, ``slots`` one-process
+    CPU runs go at once.
+    """
+    nproc = int(profile.options["nproc"])
+    device = profile.options["device"]
+    if device == "cuda" or (device == "auto" and cluster_gpus > 0):
+        return {"num_gpus": nproc, "num_cpus": 1}
+    return {"num_cpus": nproc}
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What :meth:`Dispatcher.reconcile` did: submission ids whose live attempt is tracked again,
+    submission ids whose attempt was gone (recorded as lost: retried or failed), and the number of
+    actors killed because their attempt has ended."""
+
+    adopted: list[int]
+    lost: list[int]
+    killed: int
+
+
+@dataclass
+class _Track:
+    """An attempt in flight: its claim, actor, pending ``result()`` and ``where()`` refs."""
+
+    claim: Claim
+    actor: Any
+    ref: Any
+    where: Any
+    node: str | None = None
+    node_sent: bool = False
+    result: EvalResult | None = None  # collected, not yet written (the store was unreachable)
+    profile: Profile | None = field(default=None, repr=False)
+
+
+class Dispatcher:
+    """Sends pending submissions to Ray and writes their results back (module docstring).
+
+    Args:
+        store: the service's database.
+        blobs: the bundle bytes (``BlobStore``: ``get(sha256) -> bytes``).
+        ray_address: a cluster's address (``ray start --head`` prints it); ``None``: start an
+            embedded Ray with ``slots`` CPUs (or use the one this process already started).
+        slots: the most attempts in flight at once.
+        max_attempts: the most attempts of one submission (capped by the submission's own).
+        backoff_base_s: the first retry's backoff (:func:`backoff_s`).
+        data_dir: the prepared data directory on every node, or ``None`` (the profile's default).
+        default_profile: the profile of a submission that names none.
+        profiles: profiles known by name besides the shipped ones (name -> loaded profile: the
+            operator's own TOML files); a submission's ``profile`` is looked up here first.
+        poll_s: how long one round waits for results.
+
+    Raises:
+        ValueError: ``slots`` or ``max_attempts`` below 1.
+    """
+
+    def __init__(self, store: Store, blobs: Any, *, ray_address: str | None = None, slots: int = DEFAULT_SLOTS,
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, backoff_base_s: float = DEFAULT_BACKOFF_S,
+                 data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE,
+                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S):
+        if slots < 1 or max_attempts < 1:
+            raise ValueError(f"slots = {slots}, max_attempts = {max_attempts}: each must be at least 1")
+        self.store, self.blobs, self.ray_address = store, blobs, ray_address
+        self.slots, self.max_attempts, self.backoff_base_s = slots, max_attempts, backoff_base_s
+        self.data_dir, self.default_profile, self.poll_s = data_dir, default_profile, poll_s
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._tracked: dict[str, _Track] = {}
+        self._profiles: dict[str, Profile] = dict(profiles or {})
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owns_ray = False
+        self._remote: Any = None
+        self._gpus = 0.0
+        self._last_beat = 0.0
+        self._last_reconcile = 0.0
+        self.reconciled: Reconciled | None = None  # what the reconcile of start() did
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> Dispatcher:
+        """Connect to Ray (or start the embedded one), reconcile, start the thread; returns ``self``."""
+        import ray
+
+        if not ray.is_initialized():
+            if self.ray_address:
+                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self.slots, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
+        self._remote = ray.remote(Evaluation)
+        self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        self.store.dispatcher_beat(self.name, ray_address=self.ray_address)
+        self.reconciled = self.reconcile()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="prism-dispatcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (evaluations in flight keep running on the cluster: a later
+        dispatcher reconciles them); shut the embedded Ray down if this dispatcher started it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.store.dispatcher_beat(self.name, stopped=True)
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    @property
+    def in_flight(self) -> dict[str, Claim]:
+        """The attempts this dispatcher tracks, by fencing token."""
+        return {token: t.claim for token, t in list(self._tracked.items())}
+
+    def actor(self, token: str) -> Any:
+        """The Ray actor handle of a tracked attempt (``KeyError`` if not tracked)."""
+        return self._tracked[token].actor
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the database or Ray unreachable: try again next round
+                log.exception("dispatcher %s: a round failed; retrying", self.name)
+                self._stop.wait(self.poll_s)
+
+    def step(self) -> None:
+        """One round: heartbeats, collect ended attempts, claim and launch while slots are free."""
+        if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+            self._beat()
+        if time.monotonic() - self._last_reconcile >= RECONCILE_S:
+            self.reconcile()
+        self._collect(self.poll_s if self._tracked else 0.0)
+        launched = False
+        while len(self._tracked) < self.slots and not self._stop.is_set():
+            claim = self.store.claim(worker=self.name)
+            if claim is None:
+                break
+            self._launch(claim)
+            launched = True
+        if not self._tracked and not launched:
+            self._stop.wait(self.poll_s)
+
+    def _node(self, t: _Track) -> str | None:
+        """The attempt's node (``ip node-id pid``) once its ``where()`` answered, else ``None``."""
+        import ray
+
+        if t.node is None and t.where is not None and ray.wait([t.where], timeout=0)[0]:
+            try:
+                w = ray.get(t.where)
+                t.node = f"{w['ip']} {w['node_id'][:12]} pid {w['pid']}"
+            except ray.exceptions.RayError:
+                t.where = None
+        return t.node
+
+    def _beat(self) -> None:
+        nodes = {tok: t.node for tok, t in self._tracked.items() if self._node(t) and not t.node_sent}
+        self.store.dispatcher_beat(self.name)
+        self.store.heartbeat(list(self._tracked), node=nodes)
+        for tok in nodes:
+            self._tracked[tok].node_sent = True
+        self._last_beat = time.monotonic()
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def _profile(self, name: str | None) -> Profile:
+        name = name or self.default_profile
+        if name not in self._profiles:
+            self._profiles[name] = load_profile(name)
+        return self._profiles[name]
+
+    def _launch(self, claim: Claim) -> None:
+        """Create the attempt's actor, or record why it could not be (an infrastructure failure)."""
+        sub = self.store.submission(claim.submission_id)
+        try:
+            profile = self._profile(sub.profile)
+        except ProfileError as exc:
+            self._write(claim, failure_result(EvalFailure("config", str(exc))))
+            return
+        try:
+            bundle = self.blobs.get(sub.bundle_sha256)
+        except (KeyError, ValueError, OSError, RuntimeError) as exc:  # missing, bad name, unreadable, corrupt
+            self._write(claim, failure_result(EvalFailure("dispatch", f"the bundle's bytes: {exc}"), profile=profile))
+            return
+        job = Job(token=claim.token, submission_id=claim.submission_id, bundle=bundle, profile=profile,
+                  data_dir=self.data_dir)
+        try:
+            actor = self._remote.options(name=actor_name(claim.token), namespace=NAMESPACE, lifetime="detached",
+                                         max_restarts=0, max_concurrency=ACTOR_CONCURRENCY,
+                                         **resources_for(profile, self._gpus)).remote(job)
+            self._track(claim, actor, profile)
+        except Exception as exc:  # noqa: BLE001 - Ray refused the actor: retried like a lost one
+            self._write(claim, failure_result(EvalFailure("dispatch", f"Ray could not create the attempt's actor: "
+                                                          f"{type(exc).__name__}: {exc}"), profile=profile))
+            return
+        log.info("submission %d: attempt %d dispatched (token %s)", claim.submission_id, claim.number, claim.token)
+
+    def _track(self, claim: Claim, actor: Any, profile: Profile | None = None) -> None:
+        self._tracked[claim.token] = _Track(claim, actor, actor.result.remote(RESULT_WAIT_S), actor.where.remote(),
+                                            profile=profile)
+
+    def _collect(self, timeout: float) -> None:
+        """Write the result of every tracked attempt that ended (waiting up to ``timeout`` s)."""
+        import ray
+
+        pending = {t.ref: tok for tok, t in self._tracked.items() if t.result is None}
+        if pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+            for ref in ready:
+                t = self._tracked[pending[ref]]
+                t.result = self._outcome(t, ref)
+        for tok, t in list(self._tracked.items()):
+            if t.result is not None:
+                if not t.node_sent and self._node(t):
+                    self.store.heartbeat([tok], node={tok: t.node})
+                    t.node_sent = True
+                try:
+                    self._write(t.claim, t.result)  # raises while the store is unreachable: kept, retried
+                except TransitionError:  # no attempt has the token (the row was deleted): nothing to fence
+                    log.exception("submission %d: attempt %d's result has no attempt to go to",
+                                  t.claim.submission_id, t.claim.number)
+                del self._tracked[tok]
+                _kill(t.actor)
+
+    def _outcome(self, t: _Track, ref: Any) -> EvalResult | None:
+        """The attempt's result from its ready ``result()`` ref; ``None`` (and a new call) while
+        it runs on."""
+        import ray
+
+        try:
+            payload = ray.get(ref)
+        except ray.exceptions.RayError as exc:  # the actor's process or node died
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            message = f"the Ray worker of attempt {t.claim.number} died ({type(exc).__name__}: {first[:300]})"
+            return failure_result(EvalFailure("dispatch", message), profile=t.profile)
+        if payload is None:  # still running: ask again (a bounded wait keeps no actor thread blocked for a dead caller)
+            t.ref = t.actor.result.remote(RESULT_WAIT_S)
+            return None
+        try:
+            if payload.get("token") != t.claim.token:
+                raise ValueError(f"the actor answered for token {payload.get('token')!r}")
+            return EvalResult.model_validate(payload["result"])
+        except Exception as exc:  # noqa: BLE001 - a harness bug on the node: reported and retried
+            return failure_result(EvalFailure("dispatch", f"the attempt's answer is not a result: "
+                                              f"{type(exc).__name__}: {str(exc)[:300]}"), profile=t.profile)
+
+    def _write(self, claim: Claim, result: EvalResult) -> None:
+        done = self.store.record(claim.token, result, backoff_s=backoff_s(claim.number, self.backoff_base_s),
+                                 max_attempts=self.max_attempts)
+        log.info("submission %d: attempt %d %s -> %s (%s)", claim.submission_id, claim.number, result.status,
+                 done.status, done.reason)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def reconcile(self) -> Reconciled:
+        """Match every ``running`` submission this dispatcher does not track against the cluster
+        (module docstring). Run at start, then every :data:`RECONCILE_S` seconds by the loop (a
+        claim whose actor could not be made and whose failure could not be written is found
+        again); not thread-safe: call it yourself only while the loop is stopped."""
+        import ray
+
+        adopted, lost = [], []
+        for claim in self.store.running():
+            if claim.token in self._tracked:
+                continue
+            if not claim.token:  # an attempt made before fencing existed: nothing on Ray to find
+                self.store.finish(claim.attempt_id, failure_result(EvalFailure(
+                    "dispatch", "an attempt from before migration 0003 was running when the service restarted")))
+                lost.append(claim.submission_id)
+                continue
+            try:
+                actor = ray.get_actor(actor_name(claim.token), namespace=NAMESPACE)
+            except ValueError:
+                self._write(claim, failure_result(EvalFailure(
+                    "dispatch", f"attempt {claim.number}'s Ray actor was gone when the dispatcher reconciled")))
+                lost.append(claim.submission_id)
+                continue
+            self._track(claim, actor)
+            adopted.append(claim.submission_id)
+        killed = 0
+        untracked = [e["name"][len(ACTOR_PREFIX):] for e in ray.util.list_named_actors(all_namespaces=True)
+                     if e["namespace"] == NAMESPACE and e["name"].startswith(ACTOR_PREFIX)
+                     and e["name"][len(ACTOR_PREFIX):] not in self._tracked]
+        for token in sorted(self.store.ended(untracked)):  # another database's actors are left alone
+            try:
+                _kill(ray.get_actor(actor_name(token), namespace=NAMESPACE))
+                killed += 1
+                log.warning("killed the actor of attempt token %s, which has ended (its result was written)", token)
+            except ValueError:
+                pass
+        self._last_reconcile = time.monotonic()
+        if adopted or lost or killed:
+            log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors", self.name, adopted,
+                     lost, killed)
+        return Reconciled(adopted, lost, killed)
+
+
+def start(state: Any) -> Dispatcher:
+    """Start the service's dispatcher from its app state (the hook ``prism serve``'s lifespan
+    calls): ``state.store``, ``state.blobs``, ``state.profile`` (loaded) and ``state.settings``
+    (``ray_address``, ``slots``, ``max_attempts``, ``data_dir``, ``profile``, and
+    ``retry_backoff_s`` when it has one). Returns the started dispatcher (``stop()`` at shutdown).
+    """
+    settings, profile = state.settings, state.profile
+    data_dir = getattr(settings, "data_dir", None)
+    return Dispatcher(state.store, state.blobs, ray_address=settings.ray_address, slots=settings.slots,
+                      max_attempts=settings.max_attempts,
+                      backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
+                      data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
+                      profiles={settings.profile: profile, profile.name: profile}).start()
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+__all__ = ["DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
+           "resources_for", "start"]

@@ -1,0 +1,159 @@
+"""Shared fixtures of the dispatcher's tests on Ray (tests/test_service_dispatch.py,
+tests/test_service_multinode.py): the fixture data directory, the test profile, the tiny bundle
+(folder and zip) and its direct ``evaluate()`` result; a fresh database, blob store and
+dispatchers per test; waiting and counting helpers."""
+
+from __future__ import annotations
+
+import io
+import time
+import zipfile
+
+import pytest
+from fixtures_data import make_rows, write_jsonl, write_salt
+from sqlalchemy import func, select
+
+from prism_challenge import EvalOptions, evaluate
+from prism_challenge.data.prepare import prepare
+from prism_challenge.profiles import load_profile
+from prism_challenge.service.blobs import BlobStore
+from prism_challenge.service.dispatch import Dispatcher
+from prism_challenge.service.models import Attempt, Run
+from prism_challenge.service.store import Store
+from prism_challenge.service.worker import ACTOR_PREFIX, NAMESPACE, actor_name
+
+from helpers import REPO, write_bundle
+
+ray = pytest.importorskip("ray")
+
+HOTKEY = "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY"
+PROFILE = "fleet-test"
+FINAL = ("completed", "failed", "rejected")
+PROFILE_TOML = """schema = "prism.profile.v1"
+name = "fleet-test"
+version = 1
+description = "a tiny CPU run on fixture data for the dispatcher's tests"
+
+[data]
+source = "files"
+
+[tokenizers]
+allowed = ["bytes"]
+
+[run]
+seq_len = 128
+nproc = 1
+device = "cpu"
+seed = 1234
+threads = 1
+max_parameters = 1_000_000
+
+[budgets]
+token_budget = 4096
+
+[heldout]
+bytes = 4000
+"""
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The fixture data directory, the profile, the tiny bundle (folder and zip) and its direct
+    ``evaluate()`` result (run before any Ray starts)."""
+    root = tmp_path_factory.mktemp("fleet")
+    src = write_jsonl(root / "docs.jsonl", make_rows(400, seed=11))
+    data = root / "data"
+    prepare([src], data, salt_file=write_salt(root / "salt"))
+    (root / "fleet-test.toml").write_text(PROFILE_TOML)
+    profile = load_profile(str(root / "fleet-test.toml"))
+    arch = (REPO / "bench" / "bundles" / "trivial" / "architecture.py").read_text()
+    bundle = write_bundle(root / "bundle", arch, batch=4, seq_len=128, lr=0.05)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in sorted(bundle.iterdir()):
+            z.write(f, f.name)
+    t0 = time.monotonic()
+    direct = evaluate(EvalOptions(bundle=str(bundle), data_dir=str(data), out_dir=str(root / "direct"),
+                                  isolation="strict", profile=profile, profile_overridden=[], **profile.options))
+    assert direct.status == "scored", direct.failure
+    print(f"direct evaluate(): {time.monotonic() - t0:.1f} s")
+    return {"root": root, "data": str(data), "profile": profile, "zip": buf.getvalue(), "direct": direct}
+
+
+@pytest.fixture
+def service(world, tmp_path, db_url):
+    """A fresh database (a SQLite file, and a PostgreSQL database: tests/databases.py) and blob
+    store; ``make()`` builds dispatchers on them (stopped at the end)."""
+    store = Store(db_url)
+    blobs = BlobStore(tmp_path / "blobs")
+    made: list[Dispatcher] = []
+
+    def make(**kw) -> Dispatcher:
+        kw.setdefault("slots", 2)
+        kw.setdefault("backoff_base_s", 0.5)
+        d = Dispatcher(store, blobs, data_dir=world["data"], profiles={PROFILE: world["profile"]}, **kw)
+        made.append(d)
+        return d
+
+    yield store, blobs, make
+    for d in made:
+        if d._thread is not None:
+            d.stop()
+    store.close()
+
+
+def submit(store: Store, blobs: BlobStore, data: bytes) -> int:
+    return store.submit(HOTKEY, blobs.put(data), profile=PROFILE)
+
+
+def wait(pred, what: str, timeout: float = 240.0, every: float = 0.2):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def final(store: Store, *sids: int, timeout: float = 240.0) -> None:
+    wait(lambda: all(store.submission(s).status in FINAL for s in sids), f"submissions {sids} to end", timeout)
+
+
+def counts(store: Store, sid: int) -> tuple[int, int]:
+    """(attempts, runs) of submission ``sid``, counted in the database."""
+    with store.sessions() as s:
+        attempts = s.scalar(select(func.count()).select_from(Attempt).where(Attempt.submission_id == sid))
+        runs = s.scalar(select(func.count()).select_from(Run).join(Attempt, Attempt.id == Run.attempt_id)
+                        .where(Attempt.submission_id == sid))
+    return attempts, runs
+
+
+def assert_same_as_direct(store: Store, sid: int, direct) -> None:
+    run = store.result_of(sid)
+    assert run.status == "scored" and run.prequential_bpb == direct.prequential_bpb  # bit-exact
+    m, d = run.manifest, direct.manifest
+    assert m["score"] == d.score.model_dump(mode="json")
+    assert m["curve"]["nats_per_target"] == d.curve.nats_per_target and len(d.curve.nats_per_target) >= 8
+    assert m["bundle"]["sha256"] == d.bundle.sha256 and m["isolation"]["isolated"] is True
+    assert m["profile"]["name"] == PROFILE and m["profile"]["overridden"] == []
+
+
+def stage(actor) -> str | None:
+    try:
+        return ray.get(actor.progress.remote(), timeout=10)["stage"]
+    except Exception:  # noqa: BLE001 - not created yet
+        return None
+
+
+def named_actors() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(ACTOR_PREFIX)]
+
+
+def lookup(token: str):
+    """The actor of the attempt with fencing token ``token``, or ``None``."""
+    try:
+        return ray.get_actor(actor_name(token), namespace=NAMESPACE)
+    except ValueError:
+        return None

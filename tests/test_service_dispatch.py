@@ -1,0 +1,149 @@
+"""Evaluation on Ray with fenced, exactly-once results (issue 17 item 4, issue 18 items 1-2): a
+real local Ray (2 CPUs, one per module), a real SQLite file, real strict-isolation runs of a tiny
+bundle on fixture data. End to end against ``evaluate()`` run directly (bit-exact); the Ray
+worker SIGKILLed mid-run; the service process SIGKILLed mid-run and a new dispatcher
+reconciling (a running attempt adopted, a lost one re-dispatched, one that finished while no
+dispatcher ran collected). Every test asserts the database: attempts and runs per submission."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
+    PROFILE,
+    assert_same_as_direct,
+    counts,
+    final,
+    lookup,
+    named_actors,
+    ray,
+    service,
+    stage,
+    submit,
+    wait,
+    world,
+)
+
+from prism_challenge.service.dispatch import start
+from prism_challenge.service.worker import NAMESPACE, Evaluation, Job, actor_name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(world):
+    """One local Ray of 2 CPUs for the module."""
+    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_a_submission_is_evaluated_on_ray_bit_exact_with_evaluate(world, service):
+    store, blobs, _ = service
+    sid = submit(store, blobs, world["zip"])
+    t0 = time.monotonic()
+    # as prism serve's lifespan starts it, from the app's state (this process's Ray is joined)
+    settings = SimpleNamespace(ray_address=None, slots=2, max_attempts=3, data_dir=Path(world["data"]),
+                               profile=PROFILE, retry_backoff_s=0.5)
+    d = start(SimpleNamespace(settings=settings, profile=world["profile"], store=store, blobs=blobs))
+    try:
+        final(store, sid)
+    finally:
+        d.stop()
+    wall, direct = store.result_of(sid).manifest["timing"]["wall_s"], world["direct"].manifest.timing.wall_s
+    print(f"submit to completed on Ray: {time.monotonic() - t0:.1f} s; evaluate() wall on Ray {wall:.1f} s, "
+          f"direct {direct:.1f} s")
+    assert store.submission(sid).status == "completed" and counts(store, sid) == (1, 1)
+    assert_same_as_direct(store, sid, world["direct"])
+    (attempt,) = store.attempts(sid)
+    assert attempt.outcome == "completed" and attempt.node and " pid " in attempt.node
+    wait(lambda: not named_actors(), "the finished attempt's actor to be killed", timeout=30)
+
+
+def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service):
+    store, blobs, make = service
+    sid = submit(store, blobs, world["zip"])
+    d = make().start()
+    token = wait(lambda: next(iter(d.in_flight), None), "the attempt to be dispatched")
+    actor = d.actor(token)
+    wait(lambda: stage(actor) in ("gates", "stream", "heldout"), "the run to reach the gates")
+    pid = ray.get(actor.where.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    final(store, sid)
+    first, second = store.attempts(sid)
+    assert (first.outcome, first.failure_stage, first.failure_kind) == ("retry", "dispatch", "infrastructure")
+    assert "the Ray worker of attempt 1 died" in first.failure_message
+    assert second.outcome == "completed" and counts(store, sid) == (2, 1)
+    assert store.result_of(sid).attempt_id == second.id
+    assert_same_as_direct(store, sid, world["direct"])
+
+
+def test_a_sigkilled_service_is_reconciled_by_the_next_dispatcher(world, service, tmp_path):
+    store, blobs, make = service
+    running = submit(store, blobs, world["zip"])
+    gone = submit(store, blobs, world["zip"])
+    # the service: another process, joined to this Ray cluster, SIGKILLed mid-run
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "fleet_service.py"), store.url, str(tmp_path / "blobs"),
+         address, PROFILE, str(world["root"] / "fleet-test.toml"), world["data"]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        claims = wait(lambda: {c.submission_id: c for c in store.running()} if len(store.running()) == 2 else None,
+                       "the service to dispatch both submissions", timeout=120)
+        actor = wait(lambda: lookup(claims[running].token), "the first attempt's actor")
+        wait(lambda: stage(actor) in ("gates", "stream", "heldout"), "the first run to reach the gates")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        out = proc.communicate()[0]
+    assert proc.returncode == -signal.SIGKILL, out
+    # the second attempt's work is gone from the cluster (its actor killed with no one to see it)
+    victim = wait(lambda: lookup(claims[gone].token), "the second attempt's actor")
+    ray.kill(victim, no_restart=True)
+    wait(lambda: lookup(claims[gone].token) is None, "the second actor to be gone", timeout=30)
+    assert stage(actor) is not None  # the detached actor outlived the service that made it
+    d = make()
+    d.start()
+    assert (d.reconciled.adopted, d.reconciled.lost) == ([running], [gone])
+    final(store, running, gone)
+    assert counts(store, running) == (1, 1) and store.attempts(running)[0].outcome == "completed"
+    lost, redone = store.attempts(gone)
+    assert (lost.outcome, lost.failure_stage) == ("retry", "dispatch") and "was gone" in lost.failure_message
+    assert redone.outcome == "completed" and counts(store, gone) == (2, 1)
+    for sid in (running, gone):
+        assert_same_as_direct(store, sid, world["direct"])
+    # an attempt that finished while no dispatcher ran is collected by the next one
+    later = submit(store, blobs, world["zip"])
+    token = wait(lambda: next((tok for tok, c in d.in_flight.items() if c.submission_id == later), None),
+                  "the third attempt to be dispatched")
+    actor = d.actor(token)
+    d.stop()
+    wait(lambda: ray.get(actor.progress.remote())["done"], "the third run to end with no dispatcher")
+    assert store.submission(later).status == "running"
+    d2 = make()
+    d2.start()
+    assert d2.reconciled.adopted == [later]
+    final(store, later, timeout=30)
+    assert counts(store, later) == (1, 1)
+    assert_same_as_direct(store, later, world["direct"])
+    # an actor outliving its written result (the service died between the write and the kill)
+    # is killed by the next reconcile; one whose token the database does not know is left alone
+    ended = store.attempts(running)[0].token
+    stray = ray.remote(Evaluation)
+    for token in (ended, "f" * 32):
+        stray.options(name=actor_name(token), namespace=NAMESPACE, lifetime="detached", num_cpus=0).remote(
+            Job(token=token, submission_id=running, bundle=b"not a zip", profile=world["profile"]))
+    wait(lambda: lookup(ended) and lookup("f" * 32), "the two stray actors")
+    d2.stop()  # reconcile() is the loop's own; called here with the loop stopped
+    assert d2.reconcile().killed == 1
+    wait(lambda: lookup(ended) is None, "the ended attempt's actor to be killed", timeout=30)
+    assert lookup("f" * 32) is not None
+    ray.kill(lookup("f" * 32), no_restart=True)
+
