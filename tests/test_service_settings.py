@@ -109,3 +109,22 @@ def importlib_spec(name: str):
     import importlib.machinery
 
     return importlib.machinery.ModuleSpec(name, loader=None)
+
+
+def test_health_reports_the_oldest_submission_without_an_owner(tmp_path):
+    """No dispatcher is live (dispatch off), so a pending submission has no owner: /health names
+    the oldest one; with none waiting it says null."""
+    from fastapi.testclient import TestClient
+
+    from prism_challenge.service import app as appmod
+
+    app = appmod.create_app(ServiceSettings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", profile="local",
+                                            blob_root=tmp_path / "blobs", dispatch=False))
+    with TestClient(app) as client:
+        assert client.get("/health").json()["oldest_unowned"] is None
+        first = app.state.store.submit("5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY", "ab" * 32)
+        app.state.store.submit("5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY", "cd" * 32)
+        body = client.get("/health").json()
+    assert body["status"] == "ok" and body["dispatcher"] == "off"
+    assert body["oldest_unowned"]["submission"] == first and body["oldest_unowned"]["status"] == "pending"
+    assert 0 <= body["oldest_unowned"]["age_s"] < 60

@@ -8,22 +8,33 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from prism_challenge import __version__
+from prism_challenge.service.watch import unowned
 
 router = APIRouter(tags=["operations"])
 
 
 @router.get("/health", summary="the database answers; whether the dispatcher runs")
 def health(request: Request) -> JSONResponse:
-    """200 ``{"status": "ok", ...}``, or 503 when the database does not answer."""
+    """200 ``{"status": "ok", ...}``, or 503 when the database does not answer.
+
+    ``oldest_unowned``: the non-final submission that has been without an owner the longest
+    (:func:`~prism_challenge.service.watch.unowned`: a running attempt whose heartbeat is stale,
+    or a pending one while no dispatcher is live), ``{"submission", "status", "age_s"}``, or
+    ``null`` when every non-final submission has an owner.
+    """
     state = request.app.state
+    oldest = None
     try:
         with state.store.engine.connect() as c:
             c.execute(text("SELECT 1"))
         db = "ok"
+        found = unowned(state.store)
+        if found:
+            oldest = {"submission": found[0].submission_id, "status": found[0].status, "age_s": found[0].age_s}
     except Exception as exc:  # noqa: BLE001 - any failure of the database is "unhealthy"
         db = f"{type(exc).__name__}: {exc}"
     body = {"status": "ok" if db == "ok" else "unhealthy", "database": db, "profile": state.profile.name,
-            "dispatcher": "running" if state.dispatcher is not None else "off"}
+            "dispatcher": "running" if state.dispatcher is not None else "off", "oldest_unowned": oldest}
     return JSONResponse(body, status_code=200 if db == "ok" else 503)
 
 
