@@ -23,7 +23,7 @@ from prism_challenge import __version__
 from prism_challenge.profiles import load_profile
 from prism_challenge.service import errors
 from prism_challenge.service.blobs import BlobStore
-from prism_challenge.service.metrics import ServiceMetrics
+from prism_challenge.service.metrics import ServiceMetrics, method_label
 from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings
@@ -100,7 +100,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
         route = request.scope.get("route")
-        app.state.metrics.requests.labels(request.method, getattr(route, "path", "unmatched"),
+        app.state.metrics.requests.labels(method_label(request.method), getattr(route, "path", "unmatched"),
                                           str(response.status_code)).inc()
         return response
 
