@@ -99,3 +99,51 @@ def test_an_invented_http_method_does_not_make_a_metrics_series(server):
                 if x.startswith('prism_http_requests_total{method="other",route="/health",status="405"}'))
     assert float(line.split()[-1]) == 3.0
     assert 'prism_http_requests_total{method="GET",route="/health",status="200"}' in text
+
+
+def test_the_stock_architecture_makes_no_author(tmp_path):
+    """Bob sends `prism init`'s bundle first; Alice then trains the same template architecture
+    better. Without the public-family rule Bob would be the "architecture author" of Alice's
+    run and take family_share (0.6) of the weights for code the project wrote."""
+    from prism_challenge.scaffold import write_bundle
+    from service_live import BOB_SEED, TOKEN
+    from test_service_read import scored
+
+    write_bundle(tmp_path / "stock", "gpt2")
+    write_bundle(tmp_path / "tuned", "gpt2")
+    train = tmp_path / "tuned" / "training.py"
+    train.write_text(train.read_text() + "\nTUNED = 1\n")
+    with live_server(tmp_path / "svc", rate_limit=1000) as (base, app):
+        first = zip_dir(tmp_path / "stock", "stock")
+        r1 = post(base, first, signed(first, BOB_SEED))
+        second = zip_dir(tmp_path / "tuned", "tuned")
+        r2 = post(base, second, signed(second))
+        assert (r1.status_code, r2.status_code) == (202, 202), (r1.text, r2.text)
+        a, b = r1.json(), r2.json()
+        assert a["family_sha256"] == b["family_sha256"] and a["source_sha256"] != b["source_sha256"]
+        assert (a["variant_of"], b["variant_of"]) == (None, None)
+        store = app.state.store
+        for sid, bpb in ((a["id"], 2.0), (b["id"], 1.5)):
+            store.finish(store.claim(sid).attempt_id, scored(bpb, 0.1))
+        got = httpx.get(base + "/internal/v1/weights", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert got["weights"] == {ALICE: 1.0}
+
+
+def test_an_own_architecture_still_has_its_author(tmp_path):
+    """The same two steps with an architecture nobody shipped: Alice's bundle is Bob's variant."""
+    from prism_challenge.scaffold import write_bundle
+    from service_live import BOB_SEED
+
+    for name in ("own", "own2"):
+        write_bundle(tmp_path / name, "gpt2")
+        arch = tmp_path / name / "architecture.py"
+        arch.write_text(arch.read_text() + "\nOWN_ARCHITECTURE = 1\n")
+    train = tmp_path / "own2" / "training.py"
+    train.write_text(train.read_text() + "\nTUNED = 1\n")
+    with live_server(tmp_path / "svc", rate_limit=1000) as (base, _):
+        first = zip_dir(tmp_path / "own", "own")
+        r1 = post(base, first, signed(first, BOB_SEED))
+        second = zip_dir(tmp_path / "own2", "own2")
+        r2 = post(base, second, signed(second))
+        assert (r1.status_code, r2.status_code) == (202, 202), (r1.text, r2.text)
+        assert r2.json()["variant_of"] == r1.json()["id"]

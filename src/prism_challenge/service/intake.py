@@ -7,7 +7,8 @@
    when the settings ask for it (it builds the model in a sandboxed child; the evaluation runs
    it anyway). A blocking finding refuses the bundle with every finding (rule, file, line).
 3. The profile's tokenizers: a bundle declaring another is refused here, not after a queue.
-4. The hashes: :func:`source_sha256` (duplicates) and :func:`family_sha256` (the family).
+4. The hashes: :func:`source_sha256` (duplicates) and :func:`family_sha256` (the family; a
+   public one, :func:`public_families`, has no author).
 
 Normalized source: each ``.py`` file parsed with :mod:`ast`, every docstring (the first
 statement of a module, class or function body when it is a string constant) removed, then
@@ -21,6 +22,7 @@ The digest is sha256 over the sorted lines ``path NUL sha256(normalized) LF``.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import tempfile
@@ -123,6 +125,27 @@ def family_sha256(root: Path, architecture_file: str) -> str:
                                             architecture_file).encode()).hexdigest()
 
 
+SHIPPED_ARCHITECTURES = (Path(__file__).resolve().parents[1] / "templates" / "bundle" / "architecture.py.tmpl",
+                         *sorted((Path(__file__).resolve().parents[3] / "examples").glob("*/architecture.py")))
+"""The architectures the project publishes: ``prism init``'s template and, in a source checkout,
+``examples/*/architecture.py``. Their families are public (:func:`public_families`)."""
+
+
+@functools.lru_cache(maxsize=8)
+def public_families(extra: tuple[Path, ...] = ()) -> frozenset[str]:
+    """The :func:`family_sha256` of :data:`SHIPPED_ARCHITECTURES` and of ``extra`` (the
+    settings' ``public_architectures``). A bundle of a public family is nobody's training variant
+    and makes nobody its author: otherwise the first to submit the stock architecture would be
+    the "architecture author" of every later bundle that only changes its training, and take
+    ``family_share`` of the weights for code they did not write.
+
+    Raises:
+        OSError: an ``extra`` file cannot be read.
+        IntakeRefused: an ``extra`` file is not valid Python.
+    """
+    return frozenset(family_sha256(path.parent, path.name) for path in (*SHIPPED_ARCHITECTURES, *extra))
+
+
 def _refusal(findings: list[Finding]) -> IntakeRefused:
     blocking = [f for f in findings if f.blocking]
     first = blocking[0]
@@ -173,5 +196,5 @@ def run_intake(data: bytes, settings: ServiceSettings, profile: Profile) -> Inta
             report.cleanup()
 
 
-__all__ = ["Intake", "IntakeRefused", "family_sha256", "normalized_python", "run_intake", "source_sha256",
+__all__ = ["Intake", "IntakeRefused", "SHIPPED_ARCHITECTURES", "family_sha256", "public_families", "normalized_python", "run_intake", "source_sha256",
            "strip_docstrings"]

@@ -60,6 +60,9 @@ class ServiceSettings(BaseSettings):
     weights_rule: Literal["family-split", "winner-takes-all"] = "family-split"
     family_share: float = Field(0.6, ge=0, le=1, description="family-split: the family owner's share; the best "
                                 "training variant on it gets 1 - family_share")
+    public_architectures: list[Path] = Field([], description="architecture.py files whose families are public "
+                                             "(nobody's variant, no author's share), besides prism init's template "
+                                             "and the source tree's examples")
     intake_parameter_check: bool = Field(False, description="also run the parameter cap (a sandboxed build_model) "
                                          "at intake; the evaluation runs it anyway")
     intake_timeout_s: float = Field(60.0, gt=0, description="the parameter cap's child limit at intake, seconds")

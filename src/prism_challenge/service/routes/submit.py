@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.service.errors import ApiError
-from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
+from prism_challenge.service.intake import Intake, IntakeRefused, public_families, run_intake
 from prism_challenge.service.models import utcnow
 from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
 from prism_challenge.service.ratelimit import RateLimiter
@@ -161,7 +161,8 @@ def _register(state, hotkey: str, body: bytes, intake: Intake) -> tuple[int, int
             raise ApiError(409, "duplicate", f"the same normalized source as submission {earlier} (comments, "
                            "docstrings and layout aside)", stage="intake", rule="prism:duplicate",
                            duplicate_of=earlier)
-        variant_of = family_root(state.store, intake.family_sha256, profile)
+        public = public_families(tuple(state.settings.public_architectures))
+        variant_of = None if intake.family_sha256 in public else family_root(state.store, intake.family_sha256, profile)
         sha = state.blobs.put(body)
         sid = state.store.submit(hotkey, sha, max_attempts=state.settings.max_attempts,
                                  source_sha256=intake.source_sha256, family_sha256=intake.family_sha256,
