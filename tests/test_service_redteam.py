@@ -147,3 +147,50 @@ def test_an_own_architecture_still_has_its_author(tmp_path):
         r2 = post(base, second, signed(second))
         assert (r1.status_code, r2.status_code) == (202, 202), (r1.text, r2.text)
         assert r2.json()["variant_of"] == r1.json()["id"]
+
+
+def _trickle(base: str, body_bytes: bytes, declared: int):
+    """A raw connection that sends signed headers declaring ``declared`` body bytes, then only
+    ``body_bytes`` of them, and waits."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    head = "".join(f"{k}: {v}\r\n" for k, v in signed(b"x" * declared).items())
+    s.sendall(f"POST /v1/submissions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/zip\r\n{head}"
+              f"Content-Length: {declared}\r\n\r\n".encode() + body_bytes)
+    return s
+
+
+def test_a_trickled_body_is_cut_at_the_body_timeout(tmp_path):
+    """Slowloris on the body: 10 of 5,000 declared bytes, then silence. 408 after
+    body_timeout_s (1 s here), the connection closed, the service serving."""
+    with live_server(tmp_path, body_timeout_s=1.0) as (base, _):
+        s = _trickle(base, b"PK" + b"\0" * 8, 5000)
+        s.settimeout(10)
+        t0 = time.monotonic()
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        waited = time.monotonic() - t0
+        s.close()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b'"code":"body-timeout"' in reply and b"10 bytes of the body arrived in 1 s" in reply
+        assert 0.9 < waited < 8, waited
+        _still_serving(base)
+
+
+def test_connections_past_max_connections_get_503_not_memory(tmp_path):
+    """max_connections = 3: two trickling uploads are open; a request on a third connection
+    reaches the limit and is answered 503 by uvicorn before the app buffers anything; once the
+    uploads time out, the service answers again."""
+    with live_server(tmp_path, max_connections=3, body_timeout_s=2.0) as (base, _):
+        held = [_trickle(base, b"PK", 100_000) for _ in range(2)]
+        time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        for s in held:
+            s.settimeout(10)
+            assert s.recv(4096).startswith(b"HTTP/1.1 408 ")
+            s.close()
+        time.sleep(0.3)
+        _still_serving(base)

@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import pydantic
     import uvicorn
 
-    from prism_challenge.service.app import create_app
+    from prism_challenge.service.app import create_app, server_config
     from prism_challenge.service.settings import ServiceSettings
 
     given = {k: getattr(args, k) for k in ("host", "port", "profile", "data_dir", "database_url", "blob_root",
@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     p = app.state.profile
     print(f"prism serve: profile {p.name} (sha256 {p.sha256[:12]}), database {app.state.store.url}, "
           f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(server_config(app, settings)).run()
     return EXIT_OK
 
 

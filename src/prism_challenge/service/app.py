@@ -15,8 +15,10 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 
 from prism_challenge import __version__
@@ -107,6 +109,16 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     return app
 
 
+def server_config(app: FastAPI, settings: ServiceSettings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration of the service: ``settings``' host and port, and
+    ``limit_concurrency = settings.max_connections`` (past it, uvicorn answers 503 before the
+    app reads a byte, so at most that many bodies are buffered at once). ``overrides`` are more
+    :class:`uvicorn.Config` arguments (``log_level``, a test's ``port=0``)."""
+    given = {"host": settings.host, "port": settings.port, "limit_concurrency": settings.max_connections,
+             "log_level": "info", **overrides}
+    return uvicorn.Config(app, **given)
+
+
 def _counted(request: Request, exc: errors.ApiError):
     """:class:`ApiError`'s answer, a refused submission counted by its code first."""
     if request.method == "POST" and request.url.path.endswith("/submissions"):
@@ -114,4 +126,4 @@ def _counted(request: Request, exc: errors.ApiError):
     return exc.response()
 
 
-__all__ = ["create_app", "start_dispatcher", "stop_dispatcher"]
+__all__ = ["create_app", "server_config", "start_dispatcher", "stop_dispatcher"]

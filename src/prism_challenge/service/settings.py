@@ -45,6 +45,11 @@ class ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body in bytes (413 past it)")
+    body_timeout_s: float = Field(60.0, gt=0, description="seconds a submission's whole body may take to arrive "
+                                  "after its headers (408 past it)")
+    max_connections: int = Field(64, ge=1, description="a request that finds this many connections open (its "
+                                 "own included) is answered 503 (uvicorn's limit_concurrency): the bodies buffered "
+                                 "in memory stay under about max_connections * max_body_bytes")
     max_bundle_files: int = Field(_LIMITS.max_files, ge=1, description="most zip members")
     max_bundle_bytes: int = Field(_LIMITS.max_archive_bytes, ge=1, description="most uncompressed zip bytes")
     max_bundle_ratio: float = Field(_LIMITS.max_ratio, gt=1, description="largest compression ratio of a member")

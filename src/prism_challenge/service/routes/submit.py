@@ -54,18 +54,25 @@ _GATEWAY = {**_ZIP_BODY, "parameters": [
     {"name": "X-Verified-Hotkey", "in": "header", "required": True, "schema": {"type": "string"}}]}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused (413 ``body-too-large``) as soon as more than ``limit`` bytes
-    are declared (``Content-Length``) or have arrived, before the rest is read."""
+    are declared (``Content-Length``) or have arrived, before the rest is read, and (408
+    ``body-timeout``) when it has not all arrived ``timeout_s`` seconds after the headers: a
+    client trickling its body a byte at a time holds a connection and its buffer no longer."""
     declared = request.headers.get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit, partial=True)
-        chunks.append(chunk)
+    with anyio.move_on_after(timeout_s) as scope:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, partial=True)
+            chunks.append(chunk)
+    if scope.cancelled_caught:
+        raise ApiError(408, "body-timeout", f"{size:,} bytes of the body arrived in {timeout_s:g} s: the whole body "
+                       "must arrive within body_timeout_s", stage="request", rule="prism:body-timeout",
+                       headers={"Connection": "close"})
     if size == 0:
         raise ApiError(400, "empty-body", "the request has no body: send the bundle's zip", stage="request",
                        rule="prism:body")
@@ -95,7 +102,7 @@ async def submit(request: Request) -> JSONResponse:
     ``prism:{hotkey}:{nonce}:{timestamp}:{sha256(body)}``), ``X-Nonce``, ``X-Timestamp`` (Unix s)."""
     settings = request.app.state.settings
     hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s, settings.ss58_prefix)
-    body = await read_body(request, settings.max_body_bytes)
+    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
     _rate(request, hotkey)
     await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
@@ -125,7 +132,7 @@ async def submit_internal(request: Request) -> JSONResponse:
         raise ApiError(400, "missing-header", f"{VERIFIED_HOTKEY}: required header is missing", stage="auth",
                        rule="prism:internal-token")
     hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
-    body = await read_body(request, settings.max_body_bytes)
+    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     _rate(request, hotkey)
     return await _accept(request, hotkey, body)
 
