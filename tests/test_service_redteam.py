@@ -194,3 +194,22 @@ def test_connections_past_max_connections_get_503_not_memory(tmp_path):
             s.close()
         time.sleep(0.3)
         _still_serving(base)
+
+
+def test_replaying_a_captured_request_does_not_spend_its_hotkeys_rate_limit(tmp_path):
+    """Whoever saw one of Alice's signed requests (a proxy's log) replays it: each replay is
+    409 ``nonce-reused``, and none counts against Alice's rate limit (2 here), so her next
+    fresh request is still accepted."""
+    with live_server(tmp_path, rate_limit=2) as (base, _):
+        body = zip_dir(EXAMPLE, "first")
+        headers = signed(body)
+        assert post(base, body, headers).status_code == 202
+        for _ in range(3):
+            r = post(base, body, headers)
+            assert (r.status_code, r.json()["error"]["code"]) == (409, "nonce-reused"), r.text
+        fresh = zip_dir(EXAMPLE, "second")
+        r = post(base, fresh, signed(fresh))
+        assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate", r.text  # judged, not 429
+        third = zip_dir(EXAMPLE, "third")
+        r = post(base, third, signed(third))
+        assert r.status_code == 429 and r.headers["Retry-After"], r.text  # the limit still holds

@@ -1,9 +1,10 @@
 """``POST /v1/submissions`` (sr25519-signed) and ``POST /internal/v1/submissions`` (gateway).
 
 The order of the checks, cheapest first, each answering its own code: the headers (400) and the
-timestamp window (401), the body read while it streams and cut at the limit (413), the signature
-(401), the hotkey's rate limit (429 with ``Retry-After``), the nonce (409: recorded only once
-the signature verified, so a forged request cannot burn a nonce), then the intake
+timestamp window (401), the body read while it streams and cut at the limit (413) or the body
+timeout (408), the signature (401), the nonce (409: recorded only once the signature verified, so
+a forged request cannot burn a nonce), the hotkey's rate limit (429 with ``Retry-After``: after
+the nonce, so replaying a captured request cannot spend its hotkey's limit), then the intake
 (:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings), the
 duplicate check (409 with the earlier id) and the new ``pending`` row (202). The bundle's
 bytes are stored (:class:`~prism_challenge.service.blobs.BlobStore`) before its row, under the
@@ -104,9 +105,9 @@ async def submit(request: Request) -> JSONResponse:
     hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s, settings.ss58_prefix)
     body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
-    _rate(request, hotkey)
     await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
                                    settings.signature_window_s)  # database writes: off the event loop
+    _rate(request, hotkey)  # after the nonce: a replayed request cannot spend its hotkey's limit
     return await _accept(request, hotkey, body)
 
 
