@@ -213,3 +213,26 @@ def test_replaying_a_captured_request_does_not_spend_its_hotkeys_rate_limit(tmp_
         third = zip_dir(EXAMPLE, "third")
         r = post(base, third, signed(third))
         assert r.status_code == 429 and r.headers["Retry-After"], r.text  # the limit still holds
+
+
+# Ristretto255's base point, compressed (RFC 9496, section 4.4's generator).
+RISTRETTO_BASE = bytes.fromhex("e2f2ae0a6abc4e71a884a961c500515f58e30b6aa582dd8db6a65945e08d2d76")
+
+
+def test_the_identity_key_cannot_be_used_as_a_hotkey(server):
+    """The all-zero public key is Ristretto's identity A = 0: ``s*B == R + k*A`` holds for
+    R = B, s = 1 and any message, so anyone can sign for its address. The library accepts such a
+    forgery; the service must not."""
+    base, _ = server
+    zero = ss58_encode(bytes(32))
+    forged = bytearray(RISTRETTO_BASE + (1).to_bytes(32, "little"))
+    forged[63] |= 0x80  # schnorrkel's marker bit of an sr25519 signature
+    body = zip_dir(EXAMPLE, "zero")
+    nonce, ts = "zero-1", int(time.time())
+    assert sr25519.verify(bytes(forged), message(zero, nonce, ts, hashlib.sha256(body).hexdigest()), bytes(32))
+    headers = {"X-Hotkey": zero, "X-Nonce": nonce, "X-Timestamp": str(ts), "X-Signature": "0x" + forged.hex()}
+    r = post(base, body, headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["rule"]) == ("bad-hotkey", "prism:ss58") and "identity" in err["message"], err
+    _still_serving(base)

@@ -30,6 +30,11 @@ SS58_PREFIX = 42
 _CONTEXT = b"SS58PRE"
 _HEX = re.compile(r"(0x)?[0-9a-fA-F]{128}")
 WRAP = (b"<Bytes>", b"</Bytes>")
+IDENTITY = bytes(32)
+"""The compressed Ristretto255 identity (RFC 9496). As a public key A = 0, the Schnorr check
+``s*B == R + k*A`` holds for R = s*B and any message, and ``sr25519.verify`` accepts it; so
+:func:`ss58_decode` refuses its addresses (Ristretto's encoding is canonical and its group has
+prime order: no other encoding of it and no other small-order key exist)."""
 
 
 class SignatureError(ValueError):
@@ -41,7 +46,7 @@ def ss58_decode(address: str) -> tuple[bytes, int]:
 
     Raises:
         SignatureError: not base58, a length that is no account id, a reserved or non-canonical
-            (two-byte, below 64) prefix, or a bad checksum.
+            (two-byte, below 64) prefix, a bad checksum, or the identity key (:data:`IDENTITY`).
     """
     try:
         raw = base58.b58decode(address.encode("ascii"))
@@ -62,6 +67,9 @@ def ss58_decode(address: str) -> tuple[bytes, int]:
     body, checksum = raw[:-2], raw[-2:]
     if hashlib.blake2b(_CONTEXT + body, digest_size=64).digest()[:2] != checksum:
         raise SignatureError(f"hotkey {address!r}: bad SS58 checksum")
+    if body[plen:] == IDENTITY:
+        raise SignatureError(f"hotkey {address!r}: the identity public key (32 zero bytes), for which anyone "
+                             "can forge a signature: not a hotkey")
     return bytes(body[plen:]), prefix
 
 
@@ -120,4 +128,4 @@ def sign_request(seed: bytes, nonce: str, timestamp: int, body: bytes) -> dict[s
     return {"X-Hotkey": hotkey, "X-Signature": sig, "X-Nonce": nonce, "X-Timestamp": str(timestamp)}
 
 
-__all__ = ["SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode", "verify"]
+__all__ = ["IDENTITY", "SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode", "verify"]
