@@ -69,9 +69,23 @@ def test_dispatch_on_without_the_dispatcher_module_refuses_to_start(tmp_path, mo
     assert importlib.util.find_spec(appmod.DISPATCH_MODULE) is None
     app = appmod.create_app(ServiceSettings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", profile="local",
                                             blob_root=tmp_path / "blobs", dispatch=True))
-    with pytest.raises(RuntimeError, match="no_such_dispatcher is not available"):
+    with pytest.raises(RuntimeError, match=r"no_such_dispatcher\) is not installed"):
         with TestClient(app):
             pass
+
+
+def test_prism_serve_without_the_dispatcher_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before uvicorn starts (whose failed startup is a traceback): exit 2 and the way out."""
+    from prism_challenge.cli import main
+    from prism_challenge.service import app as appmod
+
+    monkeypatch.setattr(appmod, "DISPATCH_MODULE", "prism_challenge.service.no_such_dispatcher")
+    code = main(["serve", "--profile", "local", "--database-url", f"sqlite:///{tmp_path / 'db.sqlite3'}",
+                 "--blob-root", str(tmp_path / "blobs"), "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("prism serve: the Ray dispatcher") and "--no-dispatch" in err
+    assert not (tmp_path / "db.sqlite3").exists()  # refused before the database is made
 
 
 def test_the_dispatcher_hook_starts_and_stops_it_in_the_lifespan(tmp_path, monkeypatch):

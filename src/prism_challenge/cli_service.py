@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import pydantic
     import uvicorn
 
-    from prism_challenge.service.app import create_app, server_config
+    from prism_challenge.service.app import check_dispatcher, create_app, server_config
     from prism_challenge.service.settings import ServiceSettings
 
     given = {k: getattr(args, k) for k in ("host", "port", "profile", "data_dir", "database_url", "blob_root",
@@ -68,6 +68,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = ServiceSettings.load(args.config, **given)
     except (pydantic.ValidationError, FileNotFoundError) as exc:
         print(f"prism serve: bad settings: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        check_dispatcher(settings)
+    except RuntimeError as exc:
+        print(f"prism serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
     app = create_app(settings)
     p = app.state.profile

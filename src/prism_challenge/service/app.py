@@ -37,6 +37,19 @@ INTAKES_AT_ONCE = max(1, min(4, (os.cpu_count() or 2) // 2))
 DISPATCH_MODULE = "prism_challenge.service.dispatch"
 
 
+def check_dispatcher(settings: ServiceSettings) -> None:
+    """Refuse settings whose dispatcher cannot start, before the server does (``prism serve``
+    says so in one line instead of uvicorn's traceback of a failed startup).
+
+    Raises:
+        RuntimeError: ``dispatch`` is on and :data:`DISPATCH_MODULE` is not installed.
+    """
+    if settings.dispatch and importlib.util.find_spec(DISPATCH_MODULE) is None:
+        raise RuntimeError(f"the Ray dispatcher ({DISPATCH_MODULE}) is not installed, so this service could "
+                           "accept submissions but never evaluate them; run with --no-dispatch "
+                           "(PRISM_DISPATCH=false) to serve intake and reading only")
+
+
 def start_dispatcher(app: FastAPI) -> None:
     """The hook where the Ray dispatcher starts (``settings.dispatch``): it sets
     ``app.state.dispatcher`` to an object whose ``stop()`` the lifespan calls at shutdown.
@@ -45,9 +58,7 @@ def start_dispatcher(app: FastAPI) -> None:
         RuntimeError: ``dispatch`` is on and :data:`DISPATCH_MODULE` is not installed (a service
             that accepted submissions it never evaluates would lose them silently).
     """
-    if importlib.util.find_spec(DISPATCH_MODULE) is None:
-        raise RuntimeError(f"settings.dispatch is on but {DISPATCH_MODULE} is not available "
-                           "(run with PRISM_DISPATCH=false / --no-dispatch for intake and reading only)")
+    check_dispatcher(app.state.settings)
     module = importlib.import_module(DISPATCH_MODULE)
     app.state.dispatcher = module.start(app.state)  # the lead wires the dispatcher's interface here
 
@@ -126,4 +137,4 @@ def _counted(request: Request, exc: errors.ApiError):
     return exc.response()
 
 
-__all__ = ["create_app", "server_config", "start_dispatcher", "stop_dispatcher"]
+__all__ = ["check_dispatcher", "create_app", "server_config", "start_dispatcher", "stop_dispatcher"]
