@@ -94,8 +94,10 @@ def _show(view: dict) -> str:
     return line
 
 
-def _refused(exc) -> int:
-    print(f"refused: {exc}", file=sys.stderr)
+def _refused(exc, command: str) -> int:
+    """Print a :class:`~prism_challenge.service.client.ClientError`: ``refused:`` for the
+    service's answer, ``prism COMMAND:`` when there was none (or the wait ended)."""
+    print(f"refused: {exc}" if exc.status else f"prism {command}: {exc}", file=sys.stderr)
     for f in exc.error.get("findings") or []:
         if f.get("blocking"):
             print(f"  {f['file']}:{f['line']}: {f['rule']}: {f['message']}", file=sys.stderr)
@@ -108,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """``prism submit``: local gates, zip, sign, upload, follow."""
     from prism_challenge.bundle import BundleError
     from prism_challenge.gates.core import run_gates
-    from prism_challenge.service.client import ClientError, follow, upload, zip_bundle
+    from prism_challenge.service.client import ClientError, follow, health, upload, zip_bundle
     from prism_challenge.service.keys import KeyfileError, read_keyfile
 
     try:
@@ -133,10 +135,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
               + (f", a training variant of {got['variant_of']}" if got.get("variant_of") else ""), flush=True)
         if args.no_wait:
             return EXIT_OK
+        if health(args.url).get("dispatcher") == "off":
+            print(f"note: this service's dispatcher is off (prism serve --no-dispatch): submission {got['id']} "
+                  "stays pending until one evaluates it; following anyway (Ctrl-C, or --timeout, stops; "
+                  f"`prism status {got['id']} --url {args.url}` reads it later)", file=sys.stderr, flush=True)
         view = follow(args.url, got["id"], poll_s=args.poll, timeout_s=args.timeout,
                       on_change=lambda v: print(_show(v), flush=True))
     except ClientError as exc:
-        return _refused(exc)
+        return _refused(exc, "submit")
     if args.json:
         print(json.dumps(view, indent=2))
     return EXIT_OK if view["status"] == "completed" else EXIT_FAILED
@@ -149,7 +155,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         view = status(args.url, args.id)
     except ClientError as exc:
-        return _refused(exc)
+        return _refused(exc, "status")
     print(json.dumps(view, indent=2) if args.json else _show(view))
     return EXIT_OK
 
