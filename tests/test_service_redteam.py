@@ -236,3 +236,51 @@ def test_the_identity_key_cannot_be_used_as_a_hotkey(server):
     err = r.json()["error"]
     assert (err["code"], err["rule"]) == ("bad-hotkey", "prism:ss58") and "identity" in err["message"], err
     _still_serving(base)
+
+
+def _stub_bundle(tmp_path, name: str, model_extra: str) -> bytes:
+    """A bundle whose architecture.py is a one-line stub importing the model from model.py
+    (tiny-1m's architecture, plus ``model_extra``)."""
+    import shutil
+
+    root = tmp_path / name
+    shutil.copytree(EXAMPLE, root)
+    (root / "model.py").write_text((EXAMPLE / "architecture.py").read_text() + model_extra)
+    (root / "architecture.py").write_text("from model import build_model\n")
+    return zip_dir(root, name)
+
+
+def test_a_family_is_the_architecture_and_the_modules_it_imports(server, tmp_path):
+    """Bob sends a stub architecture.py (``from model import build_model``) first. Alice's
+    bundle with the same stub but another model in model.py is another family, not Bob's
+    variant; a bundle with Bob's very model (comments aside) and another training is his variant."""
+    from prism_challenge.service.families import architecture_closure, family_sha256
+    from service_live import BOB_SEED
+
+    base, _ = server
+    bob = _stub_bundle(tmp_path, "bob", "\nWIDTH_NOTE = 1\n")
+    alice = _stub_bundle(tmp_path, "alice", "\nOTHER_MODEL = 2\n")
+    r1 = post(base, bob, signed(bob, BOB_SEED))
+    r2 = post(base, alice, signed(alice))
+    assert (r1.status_code, r2.status_code) == (202, 202), (r1.text, r2.text)
+    assert r2.json()["family_sha256"] != r1.json()["family_sha256"] and r2.json()["variant_of"] is None
+    root = tmp_path / "carol"
+    import shutil
+
+    shutil.copytree(tmp_path / "bob", root)
+    (root / "model.py").write_text("# my notes\n" + (root / "model.py").read_text())
+    (root / "training.py").write_text((root / "training.py").read_text() + "\nTUNED = 1\n")
+    carol = zip_dir(root, "carol")
+    r3 = post(base, carol, signed(carol))
+    assert r3.status_code == 202, r3.text
+    assert (r3.json()["family_sha256"], r3.json()["variant_of"]) == (r1.json()["family_sha256"], r1.json()["id"])
+    # the digest by hand: the architecture's path written as "", model.py by its path
+    assert architecture_closure(root, "architecture.py") == ["architecture.py", "model.py"]
+    from prism_challenge.service.intake import normalized_python
+
+    lines = "".join(f"{name}\0{hashlib.sha256(normalized_python((root / rel).read_text(), rel).encode()).hexdigest()}\n"
+                    for name, rel in (("", "architecture.py"), ("model.py", "model.py")))
+    assert family_sha256(root, "architecture.py") == hashlib.sha256(lines.encode()).hexdigest()
+    # one file: the sha256 of its normalized source, as before
+    single = normalized_python((EXAMPLE / "architecture.py").read_text(), "architecture.py")
+    assert family_sha256(EXAMPLE, "architecture.py") == hashlib.sha256(single.encode()).hexdigest()

@@ -7,8 +7,9 @@
    when the settings ask for it (it builds the model in a sandboxed child; the evaluation runs
    it anyway). A blocking finding refuses the bundle with every finding (rule, file, line).
 3. The profile's tokenizers: a bundle declaring another is refused here, not after a queue.
-4. The hashes: :func:`source_sha256` (duplicates) and :func:`family_sha256` (the family; a
-   public one, :func:`public_families`, has no author).
+4. The hashes: :func:`source_sha256` (duplicates) and
+   :func:`~prism_challenge.service.families.family_sha256` (the family: the architecture file
+   and the bundle modules it imports; a public one has no author).
 
 Normalized source: each ``.py`` file parsed with :mod:`ast`, every docstring (the first
 statement of a module, class or function body when it is a string constant) removed, then
@@ -22,7 +23,6 @@ The digest is sha256 over the sorted lines ``path NUL sha256(normalized) LF``.
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import json
 import tempfile
@@ -33,6 +33,7 @@ from prism_challenge.bundle import SPEC_FILE, BundleError, read_spec_full
 from prism_challenge.gates.findings import Finding
 from prism_challenge.profiles import Profile
 from prism_challenge.service.archive import ArchiveError, extract_bundle
+from prism_challenge.service.families import family_sha256
 from prism_challenge.service.settings import ServiceSettings
 
 
@@ -118,34 +119,6 @@ def source_sha256(root: Path, files: list[str]) -> str:
     return _digest(out)
 
 
-def family_sha256(root: Path, architecture_file: str) -> str:
-    """sha256 of the normalized architecture file (its path is not part of it: a family is the
-    model's code, wherever ``prism.yaml`` points)."""
-    return hashlib.sha256(normalized_python((root / architecture_file).read_text(encoding="utf-8-sig"),
-                                            architecture_file).encode()).hexdigest()
-
-
-SHIPPED_ARCHITECTURES = (Path(__file__).resolve().parents[1] / "templates" / "bundle" / "architecture.py.tmpl",
-                         *sorted((Path(__file__).resolve().parents[3] / "examples").glob("*/architecture.py")))
-"""The architectures the project publishes: ``prism init``'s template and, in a source checkout,
-``examples/*/architecture.py``. Their families are public (:func:`public_families`)."""
-
-
-@functools.lru_cache(maxsize=8)
-def public_families(extra: tuple[Path, ...] = ()) -> frozenset[str]:
-    """The :func:`family_sha256` of :data:`SHIPPED_ARCHITECTURES` and of ``extra`` (the
-    settings' ``public_architectures``). A bundle of a public family is nobody's training variant
-    and makes nobody its author: otherwise the first to submit the stock architecture would be
-    the "architecture author" of every later bundle that only changes its training, and take
-    ``family_share`` of the weights for code they did not write.
-
-    Raises:
-        OSError: an ``extra`` file cannot be read.
-        IntakeRefused: an ``extra`` file is not valid Python.
-    """
-    return frozenset(family_sha256(path.parent, path.name) for path in (*SHIPPED_ARCHITECTURES, *extra))
-
-
 def _refusal(findings: list[Finding]) -> IntakeRefused:
     blocking = [f for f in findings if f.blocking]
     first = blocking[0]
@@ -196,5 +169,5 @@ def run_intake(data: bytes, settings: ServiceSettings, profile: Profile) -> Inta
             report.cleanup()
 
 
-__all__ = ["Intake", "IntakeRefused", "SHIPPED_ARCHITECTURES", "family_sha256", "public_families", "normalized_python", "run_intake", "source_sha256",
+__all__ = ["Intake", "IntakeRefused", "family_sha256", "normalized_python", "run_intake", "source_sha256",
            "strip_docstrings"]

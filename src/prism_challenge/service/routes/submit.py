@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse
 
 from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.service.errors import ApiError
-from prism_challenge.service.intake import Intake, IntakeRefused, public_families, run_intake
+from prism_challenge.service.families import public_families
+from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
 from prism_challenge.service.models import utcnow
 from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
 from prism_challenge.service.ratelimit import RateLimiter
