@@ -27,12 +27,12 @@ def test_the_defaults():
 
 def test_the_environment_then_a_toml_file_and_keywords_first(tmp_path, monkeypatch):
     config = tmp_path / "prism-service.toml"
-    config.write_text('profile = "local"\nslots = 3\nrate_limit = 7\ninternal_token = "from-file"\n'
+    config.write_text('profile = "local"\nslots = 3\nrate_limit = 7\ninternal_token = "from-file-0123456789"\n'
                       'weights_rule = "winner-takes-all"\n')
     monkeypatch.setenv("PRISM_SLOTS", "5")
     s = ServiceSettings.load(config, rate_limit=9, port=None)  # None: an option not given
     assert (s.profile, s.slots, s.rate_limit, s.weights_rule) == ("local", 5, 9, "winner-takes-all")
-    assert s.internal_token.get_secret_value() == "from-file" and "from-file" not in repr(s)
+    assert s.internal_token.get_secret_value() == "from-file-0123456789" and "from-file" not in repr(s)
     monkeypatch.setenv("PRISM_CONFIG", str(config))
     assert ServiceSettings().slots == 5 and ServiceSettings().profile == "local"
 
@@ -123,3 +123,13 @@ def importlib_spec(name: str):
     import importlib.machinery
 
     return importlib.machinery.ModuleSpec(name, loader=None)
+
+
+def test_a_short_internal_token_is_refused():
+    """The internal routes do not limit failed tries: a short token could be guessed online."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="internal_token[\\s\\S]*at least 16 characters"):
+        ServiceSettings(profile="local", internal_token="fifteen-chars-x")
+    assert ServiceSettings(profile="local", internal_token="sixteen-chars-xy").internal_token.get_secret_value() == \
+        "sixteen-chars-xy"

@@ -19,6 +19,8 @@ from prism_challenge.bundle import IntakeLimits
 
 CONFIG_ENV = "PRISM_CONFIG"
 _LIMITS = IntakeLimits()
+MIN_TOKEN_CHARS = 16
+"""The shortest ``internal_token`` accepted."""
 WEIGHT_RULES = ("family-split", "winner-takes-all")
 """The rules of ``GET /internal/v1/weights`` (:mod:`prism_challenge.service.weights`)."""
 
@@ -72,6 +74,15 @@ class ServiceSettings(BaseSettings):
                                          "at intake; the evaluation runs it anyway")
     intake_timeout_s: float = Field(60.0, gt=0, description="the parameter cap's child limit at intake, seconds")
 
+    @field_validator("internal_token")
+    @classmethod
+    def _long_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"must be at least {MIN_TOKEN_CHARS} characters (failed tries are not limited, so a "
+                             "short token can be guessed online; e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))')")
+        return value
+
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:
@@ -121,4 +132,4 @@ def _existing(path: Path) -> Path:
     return path
 
 
-__all__ = ["CONFIG_ENV", "ServiceSettings", "WEIGHT_RULES"]
+__all__ = ["CONFIG_ENV", "MIN_TOKEN_CHARS", "ServiceSettings", "WEIGHT_RULES"]
