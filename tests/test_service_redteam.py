@@ -284,3 +284,18 @@ def test_a_family_is_the_architecture_and_the_modules_it_imports(server, tmp_pat
     # one file: the sha256 of its normalized source, as before
     single = normalized_python((EXAMPLE / "architecture.py").read_text(), "architecture.py")
     assert family_sha256(EXAMPLE, "architecture.py") == hashlib.sha256(single.encode()).hexdigest()
+
+
+def test_public_families_are_the_shipped_architectures_and_the_settings_extra(tmp_path):
+    from prism_challenge.service.families import SHIPPED_ARCHITECTURES, family_sha256, public_families
+    from prism_challenge.service.intake import normalized_python
+
+    template = SHIPPED_ARCHITECTURES[0]
+    assert template.name == "architecture.py.tmpl"
+    by_hand = hashlib.sha256(normalized_python(template.read_text(), "a.py").encode()).hexdigest()
+    assert by_hand in public_families()
+    assert family_sha256(EXAMPLE, "architecture.py") in public_families()  # a source checkout
+    extra = tmp_path / "nanogpt.py"
+    extra.write_text("def build_model(ctx):\n    return None\n")
+    mine = family_sha256(tmp_path, "nanogpt.py")
+    assert mine not in public_families() and mine in public_families((extra,))

@@ -133,3 +133,10 @@ def test_a_short_internal_token_is_refused():
         ServiceSettings(profile="local", internal_token="fifteen-chars-x")
     assert ServiceSettings(profile="local", internal_token="sixteen-chars-xy").internal_token.get_secret_value() == \
         "sixteen-chars-xy"
+
+
+def test_public_architectures_must_exist(tmp_path):
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="public_architectures[\\s\\S]*no such file: .*nope.py"):
+        ServiceSettings(profile="local", public_architectures=[tmp_path / "nope.py"])

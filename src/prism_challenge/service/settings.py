@@ -74,6 +74,14 @@ class ServiceSettings(BaseSettings):
                                          "at intake; the evaluation runs it anyway")
     intake_timeout_s: float = Field(60.0, gt=0, description="the parameter cap's child limit at intake, seconds")
 
+    @field_validator("public_architectures")
+    @classmethod
+    def _existing_architectures(cls, value: list[Path]) -> list[Path]:
+        missing = [str(p) for p in value if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such file: {', '.join(missing)}")
+        return value
+
     @field_validator("internal_token")
     @classmethod
     def _long_token(cls, value: SecretStr | None) -> SecretStr | None:
