@@ -128,4 +128,5 @@ def sign_request(seed: bytes, nonce: str, timestamp: int, body: bytes) -> dict[s
     return {"X-Hotkey": hotkey, "X-Signature": sig, "X-Nonce": nonce, "X-Timestamp": str(timestamp)}
 
 
-__all__ = ["IDENTITY", "SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode", "verify"]
+__all__ = ["IDENTITY", "SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode",
+           "verify"]
