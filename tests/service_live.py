@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from prism_challenge.service.app import create_app
+from prism_challenge.service.app import create_app, server_config
 from prism_challenge.service.settings import ServiceSettings
 from prism_challenge.service.signing import sign_request
 
@@ -30,7 +30,7 @@ def live_server(tmp_path: Path, **overrides):
              "dispatch": False, "internal_token": TOKEN, "profile": "local", **overrides}
     settings = ServiceSettings(**given)
     app = create_app(settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    config = server_config(app, settings, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

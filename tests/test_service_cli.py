@@ -162,3 +162,21 @@ def test_prism_serve_migrates_names_its_profile_and_serves(tmp_path):
 def test_prism_serve_refuses_bad_settings(capsys):
     code, _, err = _run(capsys, "serve", "--profile", "nope", "--no-dispatch")
     assert code == 2 and "bad settings" in err and "no such profile" in err
+
+
+def test_the_client_says_what_to_check_when_there_is_no_answer(tmp_path, capsys):
+    port = _free_port()  # nothing listens there
+    code, _, err = _run(capsys, "status", "1", "--url", f"http://127.0.0.1:{port}")
+    assert code == 1 and err.startswith("prism status: cannot connect to http://127.0.0.1:") and "prism serve" in err
+    assert "refused" not in err.split("(")[0]
+    code, _, err = _run(capsys, "status", "1", "--url", f"127.0.0.1:{port}")
+    assert code == 1 and "not an http:// or https:// URL" in err and "http://127.0.0.1:8000" in err
+    key = tmp_path / "k.json"
+    write_keyfile(key, ALICE_SEED)
+    with live_server(tmp_path / "svc") as (base, _):
+        code, out, err = _run(capsys, "submit", str(EXAMPLE), "--url", base, "--keyfile", str(key), "--poll", "0.2",
+                              "--timeout", "1")
+    assert code == 1 and out.startswith("accepted: submission 1")
+    assert "dispatcher is off (prism serve --no-dispatch)" in err
+    assert "prism submit: stopped following: submission 1 is still pending after 1 s" in err
+    assert f"prism status 1 --url {base}" in err and "refused" not in err

@@ -27,16 +27,20 @@ def server(tmp_path_factory):
         yield base, app
 
 
-def _bundle(tmp_path, *, lr: str | None = None, arch_comment: str = "", name: str = "b") -> bytes:
-    """examples/tiny-1m, its learning rate or its architecture's comments changed."""
+def _bundle(tmp_path, *, lr: str | None = None, arch_comment: str = "", name: str = "b", own_arch: bool = False) -> bytes:
+    """examples/tiny-1m, its learning rate or its architecture's comments changed (``own_arch``:
+    a line of code added to the architecture, so its family is not the shipped, public one)."""
     root = tmp_path / name
     shutil.copytree(EXAMPLE, root)
+    if own_arch:
+        (root / "architecture.py").write_text(ARCH.read_text() + "\nOWN_ARCHITECTURE = 1\n")
     if lr is not None:
         text = TRAIN.read_text()
         assert "EFFECTIVE_LEARNING_RATE = 0.005" in text
         (root / "training.py").write_text(text.replace("EFFECTIVE_LEARNING_RATE = 0.005", f"EFFECTIVE_LEARNING_RATE = {lr}"))
     if arch_comment:
-        (root / "architecture.py").write_text(f"# {arch_comment}\n" + ARCH.read_text().replace('"""', '"""' + arch_comment, 1))
+        text = (root / "architecture.py").read_text()
+        (root / "architecture.py").write_text(f"# {arch_comment}\n" + text.replace('"""', '"""' + arch_comment, 1))
     return zip_dir(root, "mybundle")
 
 
@@ -196,17 +200,17 @@ def test_an_unknown_tokenizer_and_one_the_profile_does_not_allow(server, tmp_pat
 
 def test_a_duplicate_by_normalized_source_and_a_training_variant(server, tmp_path):
     base, _ = server
-    first = _bundle(tmp_path, lr="0.0061", name="first")
+    first = _bundle(tmp_path, lr="0.0061", name="first", own_arch=True)
     r1 = post(base, first, signed(first))
     assert r1.status_code == 202
     first_id, family = r1.json()["id"], r1.json()["family_sha256"]
     # Bob copies it, with a new comment and docstring: the same normalized source
-    copy = _bundle(tmp_path, lr="0.0061", arch_comment="my own model", name="copy")
+    copy = _bundle(tmp_path, lr="0.0061", arch_comment="my own model", name="copy", own_arch=True)
     assert hashlib.sha256(copy).hexdigest() != hashlib.sha256(first).hexdigest()
     err = _error(post(base, copy, signed(copy, BOB_SEED)), 409, "duplicate", "intake", "prism:duplicate")
     assert err["duplicate_of"] == first_id
     # another learning rate on the same architecture: a training variant of the family's first submission
-    variant = _bundle(tmp_path, lr="0.0062", arch_comment="reworded", name="variant")
+    variant = _bundle(tmp_path, lr="0.0062", arch_comment="reworded", name="variant", own_arch=True)
     r3 = post(base, variant, signed(variant, BOB_SEED))
     assert r3.status_code == 202
     root = httpx.get(f"{base}/v1/submissions/{first_id}").json()["variant_of"] or first_id

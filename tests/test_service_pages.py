@@ -69,8 +69,10 @@ def test_the_submission_page_shows_scores_plot_and_escapes_messages(site):
     assert "stage <b>contract</b>, kind <b>submission</b>" in bad and "curve.png" not in bad
     gated = httpx.get(f"{base}/submissions/{ids['gated']}").text
     assert "rule <code>prism:no-network</code>" in gated
-    r = httpx.get(f"{base}/submissions/424242")
-    assert r.status_code == 404 and r.json()["error"]["code"] == "not-found"
+    r = httpx.get(f"{base}/submissions/424242")  # a page for a browser, the JSON route keeps its body
+    assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+    assert "<h1>404" in r.text and "submission 424242: no such submission" in r.text and 'href="/"' in r.text
+    assert httpx.get(f"{base}/v1/submissions/424242").json()["error"]["code"] == "not-found"
 
 
 def test_the_curve_png(site):

@@ -27,12 +27,12 @@ def test_the_defaults():
 
 def test_the_environment_then_a_toml_file_and_keywords_first(tmp_path, monkeypatch):
     config = tmp_path / "prism-service.toml"
-    config.write_text('profile = "local"\nslots = 3\nrate_limit = 7\ninternal_token = "from-file"\n'
+    config.write_text('profile = "local"\nslots = 3\nrate_limit = 7\ninternal_token = "from-file-0123456789"\n'
                       'weights_rule = "winner-takes-all"\n')
     monkeypatch.setenv("PRISM_SLOTS", "5")
     s = ServiceSettings.load(config, rate_limit=9, port=None)  # None: an option not given
     assert (s.profile, s.slots, s.rate_limit, s.weights_rule) == ("local", 5, 9, "winner-takes-all")
-    assert s.internal_token.get_secret_value() == "from-file" and "from-file" not in repr(s)
+    assert s.internal_token.get_secret_value() == "from-file-0123456789" and "from-file" not in repr(s)
     monkeypatch.setenv("PRISM_CONFIG", str(config))
     assert ServiceSettings().slots == 5 and ServiceSettings().profile == "local"
 
@@ -69,9 +69,23 @@ def test_dispatch_on_without_the_dispatcher_module_refuses_to_start(tmp_path, mo
     assert importlib.util.find_spec(appmod.DISPATCH_MODULE) is None
     app = appmod.create_app(ServiceSettings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", profile="local",
                                             blob_root=tmp_path / "blobs", dispatch=True))
-    with pytest.raises(RuntimeError, match="no_such_dispatcher is not available"):
+    with pytest.raises(RuntimeError, match=r"no_such_dispatcher\) is not installed"):
         with TestClient(app):
             pass
+
+
+def test_prism_serve_without_the_dispatcher_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before uvicorn starts (whose failed startup is a traceback): exit 2 and the way out."""
+    from prism_challenge.cli import main
+    from prism_challenge.service import app as appmod
+
+    monkeypatch.setattr(appmod, "DISPATCH_MODULE", "prism_challenge.service.no_such_dispatcher")
+    code = main(["serve", "--profile", "local", "--database-url", f"sqlite:///{tmp_path / 'db.sqlite3'}",
+                 "--blob-root", str(tmp_path / "blobs"), "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("prism serve: the Ray dispatcher") and "--no-dispatch" in err
+    assert not (tmp_path / "db.sqlite3").exists()  # refused before the database is made
 
 
 def test_the_dispatcher_hook_starts_and_stops_it_in_the_lifespan(tmp_path, monkeypatch):
@@ -128,3 +142,20 @@ def test_health_reports_the_oldest_submission_without_an_owner(tmp_path):
     assert body["status"] == "ok" and body["dispatcher"] == "off"
     assert body["oldest_unowned"]["submission"] == first and body["oldest_unowned"]["status"] == "pending"
     assert 0 <= body["oldest_unowned"]["age_s"] < 60
+
+
+def test_a_short_internal_token_is_refused():
+    """The internal routes do not limit failed tries: a short token could be guessed online."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="internal_token[\\s\\S]*at least 16 characters"):
+        ServiceSettings(profile="local", internal_token="fifteen-chars-x")
+    assert ServiceSettings(profile="local", internal_token="sixteen-chars-xy").internal_token.get_secret_value() == \
+        "sixteen-chars-xy"
+
+
+def test_public_architectures_must_exist(tmp_path):
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="public_architectures[\\s\\S]*no such file: .*nope.py"):
+        ServiceSettings(profile="local", public_architectures=[tmp_path / "nope.py"])

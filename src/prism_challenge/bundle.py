@@ -25,11 +25,13 @@ stable id such as ``prism:zip-symlink``.
 from __future__ import annotations
 
 import hashlib
+import lzma
 import os
 import shutil
 import stat
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -475,7 +477,7 @@ def _extract_member(
     written = 0
     data = bytearray()
     with os.fdopen(fd, "wb") as out, zf.open(info) as member:
-        while chunk := member.read(64 * 1024):
+        while chunk := _read_member(member, info):
             written += len(chunk)
             if written > info.file_size or written > limits.max_archive_bytes:
                 raise BundleError(
@@ -484,6 +486,24 @@ def _extract_member(
             out.write(chunk)
             data += chunk
     _refuse(text_problem(info.filename, bytes(data)))  # the member as the archive names it (checked printable)
+
+
+_CORRUPT_STREAM = (zlib.error, lzma.LZMAError, OSError, EOFError)
+"""What the stdlib's decompressors raise on a garbled member (deflate: ``zlib.error``; bzip2:
+``OSError("Invalid data stream")``; LZMA: ``LZMAError``; a cut stream: ``EOFError``)."""
+
+
+def _read_member(member, info: zipfile.ZipInfo) -> bytes:
+    """The next 64 KiB of ``member``; a decompression failure is the archive's fault.
+
+    Raises:
+        BundleError: ``prism:bad-zip`` naming the member.
+    """
+    try:
+        return member.read(64 * 1024)
+    except _CORRUPT_STREAM as exc:
+        raise BundleError(f"{info.filename}: corrupt compressed data ({type(exc).__name__}: {exc})",
+                          "prism:bad-zip") from None
 
 
 def _bundle_root(out: Path) -> Path:

@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import pydantic
     import uvicorn
 
-    from prism_challenge.service.app import create_app
+    from prism_challenge.service.app import check_dispatcher, create_app, server_config
     from prism_challenge.service.settings import ServiceSettings
 
     given = {k: getattr(args, k) for k in ("host", "port", "profile", "data_dir", "database_url", "blob_root",
@@ -69,11 +69,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (pydantic.ValidationError, FileNotFoundError) as exc:
         print(f"prism serve: bad settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        check_dispatcher(settings)
+    except RuntimeError as exc:
+        print(f"prism serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     app = create_app(settings)
     p = app.state.profile
     print(f"prism serve: profile {p.name} (sha256 {p.sha256[:12]}), database {app.state.store.url}, "
           f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(server_config(app, settings)).run()
     return EXIT_OK
 
 
@@ -89,8 +94,10 @@ def _show(view: dict) -> str:
     return line
 
 
-def _refused(exc) -> int:
-    print(f"refused: {exc}", file=sys.stderr)
+def _refused(exc, command: str) -> int:
+    """Print a :class:`~prism_challenge.service.client.ClientError`: ``refused:`` for the
+    service's answer, ``prism COMMAND:`` when there was none (or the wait ended)."""
+    print(f"refused: {exc}" if exc.status else f"prism {command}: {exc}", file=sys.stderr)
     for f in exc.error.get("findings") or []:
         if f.get("blocking"):
             print(f"  {f['file']}:{f['line']}: {f['rule']}: {f['message']}", file=sys.stderr)
@@ -103,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """``prism submit``: local gates, zip, sign, upload, follow."""
     from prism_challenge.bundle import BundleError
     from prism_challenge.gates.core import run_gates
-    from prism_challenge.service.client import ClientError, follow, upload, zip_bundle
+    from prism_challenge.service.client import ClientError, follow, health, upload, zip_bundle
     from prism_challenge.service.keys import KeyfileError, read_keyfile
 
     try:
@@ -128,10 +135,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
               + (f", a training variant of {got['variant_of']}" if got.get("variant_of") else ""), flush=True)
         if args.no_wait:
             return EXIT_OK
+        if health(args.url).get("dispatcher") == "off":
+            print(f"note: this service's dispatcher is off (prism serve --no-dispatch): submission {got['id']} "
+                  "stays pending until one evaluates it; following anyway (Ctrl-C, or --timeout, stops; "
+                  f"`prism status {got['id']} --url {args.url}` reads it later)", file=sys.stderr, flush=True)
         view = follow(args.url, got["id"], poll_s=args.poll, timeout_s=args.timeout,
                       on_change=lambda v: print(_show(v), flush=True))
     except ClientError as exc:
-        return _refused(exc)
+        return _refused(exc, "submit")
     if args.json:
         print(json.dumps(view, indent=2))
     return EXIT_OK if view["status"] == "completed" else EXIT_FAILED
@@ -144,7 +155,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         view = status(args.url, args.id)
     except ClientError as exc:
-        return _refused(exc)
+        return _refused(exc, "status")
     print(json.dumps(view, indent=2) if args.json else _show(view))
     return EXIT_OK
 

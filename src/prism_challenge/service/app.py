@@ -15,15 +15,17 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 
 from prism_challenge import __version__
 from prism_challenge.profiles import load_profile
 from prism_challenge.service import errors
 from prism_challenge.service.blobs import BlobStore
-from prism_challenge.service.metrics import ServiceMetrics
+from prism_challenge.service.metrics import ServiceMetrics, method_label
 from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings
@@ -35,6 +37,19 @@ INTAKES_AT_ONCE = max(1, min(4, (os.cpu_count() or 2) // 2))
 DISPATCH_MODULE = "prism_challenge.service.dispatch"
 
 
+def check_dispatcher(settings: ServiceSettings) -> None:
+    """Refuse settings whose dispatcher cannot start, before the server does (``prism serve``
+    says so in one line instead of uvicorn's traceback of a failed startup).
+
+    Raises:
+        RuntimeError: ``dispatch`` is on and :data:`DISPATCH_MODULE` is not installed.
+    """
+    if settings.dispatch and importlib.util.find_spec(DISPATCH_MODULE) is None:
+        raise RuntimeError(f"the Ray dispatcher ({DISPATCH_MODULE}) is not installed, so this service could "
+                           "accept submissions but never evaluate them; run with --no-dispatch "
+                           "(PRISM_DISPATCH=false) to serve intake and reading only")
+
+
 def start_dispatcher(app: FastAPI) -> None:
     """The hook where the Ray dispatcher starts (``settings.dispatch``): it sets
     ``app.state.dispatcher`` to an object whose ``stop()`` the lifespan calls at shutdown.
@@ -43,9 +58,7 @@ def start_dispatcher(app: FastAPI) -> None:
         RuntimeError: ``dispatch`` is on and :data:`DISPATCH_MODULE` is not installed (a service
             that accepted submissions it never evaluates would lose them silently).
     """
-    if importlib.util.find_spec(DISPATCH_MODULE) is None:
-        raise RuntimeError(f"settings.dispatch is on but {DISPATCH_MODULE} is not available "
-                           "(run with PRISM_DISPATCH=false / --no-dispatch for intake and reading only)")
+    check_dispatcher(app.state.settings)
     module = importlib.import_module(DISPATCH_MODULE)
     app.state.dispatcher = module.start(app.state)  # the lead wires the dispatcher's interface here
 
@@ -100,11 +113,21 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
         route = request.scope.get("route")
-        app.state.metrics.requests.labels(request.method, getattr(route, "path", "unmatched"),
+        app.state.metrics.requests.labels(method_label(request.method), getattr(route, "path", "unmatched"),
                                           str(response.status_code)).inc()
         return response
 
     return app
+
+
+def server_config(app: FastAPI, settings: ServiceSettings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration of the service: ``settings``' host and port, and
+    ``limit_concurrency = settings.max_connections`` (past it, uvicorn answers 503 before the
+    app reads a byte, so at most that many bodies are buffered at once). ``overrides`` are more
+    :class:`uvicorn.Config` arguments (``log_level``, a test's ``port=0``)."""
+    given = {"host": settings.host, "port": settings.port, "limit_concurrency": settings.max_connections,
+             "log_level": "info", **overrides}
+    return uvicorn.Config(app, **given)
 
 
 def _counted(request: Request, exc: errors.ApiError):
@@ -114,4 +137,4 @@ def _counted(request: Request, exc: errors.ApiError):
     return exc.response()
 
 
-__all__ = ["create_app", "start_dispatcher", "stop_dispatcher"]
+__all__ = ["check_dispatcher", "create_app", "server_config", "start_dispatcher", "stop_dispatcher"]

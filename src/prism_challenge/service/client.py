@@ -69,6 +69,32 @@ def _answer(r: httpx.Response) -> dict:
     return body
 
 
+def _send(method: str, url: str, **kwargs) -> httpx.Response:
+    """One request; no answer is a :class:`ClientError` (status 0) that says what to check."""
+    try:
+        return httpx.request(method, url, **kwargs)
+    except httpx.UnsupportedProtocol:
+        raise ClientError(f"{url}: not an http:// or https:// URL (the service's address is like "
+                          "http://127.0.0.1:8000)") from None
+    except httpx.ConnectError as exc:
+        raise ClientError(f"cannot connect to {url} ({exc}): is `prism serve` running at that address?") from None
+    except httpx.HTTPError as exc:
+        raise ClientError(f"{url}: {type(exc).__name__}: {exc}") from None
+
+
+def health(url: str, *, timeout_s: float = 30.0) -> dict:
+    """``GET url/health`` (``status``, ``database``, ``profile``, ``dispatcher``: running or off).
+
+    Raises:
+        ClientError: no answer, or an answer without a JSON body.
+    """
+    r = _send("GET", url.rstrip("/") + "/health", timeout=timeout_s)
+    try:
+        return r.json()
+    except ValueError:
+        raise ClientError(f"{url}/health: {r.status_code}, not a PRISM service's answer", r.status_code) from None
+
+
 def upload(url: str, body: bytes, seed: bytes, *, timeout_s: float = 120.0) -> dict:
     """POST ``body`` to ``url/v1/submissions`` signed by the key of ``seed``; the answer (202).
 
@@ -76,11 +102,8 @@ def upload(url: str, body: bytes, seed: bytes, *, timeout_s: float = 120.0) -> d
         ClientError: a refusal (its ``error``) or no answer.
     """
     headers = sign_request(seed, uuid.uuid4().hex, int(time.time()), body)
-    try:
-        r = httpx.post(url.rstrip("/") + "/v1/submissions", content=body, timeout=timeout_s,
-                       headers={"Content-Type": "application/zip", **headers})
-    except httpx.HTTPError as exc:
-        raise ClientError(f"{url}: {type(exc).__name__}: {exc}") from None
+    r = _send("POST", url.rstrip("/") + "/v1/submissions", content=body, timeout=timeout_s,
+              headers={"Content-Type": "application/zip", **headers})
     return _answer(r)
 
 
@@ -90,11 +113,7 @@ def status(url: str, sid: int, *, timeout_s: float = 30.0) -> dict:
     Raises:
         ClientError: a refusal (404 for an unknown id) or no answer.
     """
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/submissions/{sid}", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise ClientError(f"{url}: {type(exc).__name__}: {exc}") from None
-    return _answer(r)
+    return _answer(_send("GET", f"{url.rstrip('/')}/v1/submissions/{sid}", timeout=timeout_s))
 
 
 def follow(url: str, sid: int, *, poll_s: float = 2.0, timeout_s: float | None = None,
@@ -114,8 +133,9 @@ def follow(url: str, sid: int, *, poll_s: float = 2.0, timeout_s: float | None =
         if view["status"] in FINAL:
             return view
         if deadline is not None and time.monotonic() > deadline:
-            raise ClientError(f"submission {sid}: still {view['status']} after {timeout_s:g} s")
+            raise ClientError(f"stopped following: submission {sid} is still {view['status']} after {timeout_s:g} s "
+                              f"(`prism status {sid} --url {url}` reads it later)")
         time.sleep(poll_s)
 
 
-__all__ = ["ClientError", "FINAL", "follow", "status", "upload", "zip_bundle"]
+__all__ = ["ClientError", "FINAL", "follow", "health", "status", "upload", "zip_bundle"]

@@ -7,7 +7,9 @@
    when the settings ask for it (it builds the model in a sandboxed child; the evaluation runs
    it anyway). A blocking finding refuses the bundle with every finding (rule, file, line).
 3. The profile's tokenizers: a bundle declaring another is refused here, not after a queue.
-4. The hashes: :func:`source_sha256` (duplicates) and :func:`family_sha256` (the family).
+4. The hashes: :func:`source_sha256` (duplicates) and
+   :func:`~prism_challenge.service.families.family_sha256` (the family: the architecture file
+   and the bundle modules it imports; a public one has no author).
 
 Normalized source: each ``.py`` file parsed with :mod:`ast`, every docstring (the first
 statement of a module, class or function body when it is a string constant) removed, then
@@ -31,6 +33,7 @@ from prism_challenge.bundle import SPEC_FILE, BundleError, read_spec_full
 from prism_challenge.gates.findings import Finding
 from prism_challenge.profiles import Profile
 from prism_challenge.service.archive import ArchiveError, extract_bundle
+from prism_challenge.service.families import family_sha256
 from prism_challenge.service.settings import ServiceSettings
 
 
@@ -114,13 +117,6 @@ def source_sha256(root: Path, files: list[str]) -> str:
         if norm is not None:
             out[rel] = norm
     return _digest(out)
-
-
-def family_sha256(root: Path, architecture_file: str) -> str:
-    """sha256 of the normalized architecture file (its path is not part of it: a family is the
-    model's code, wherever ``prism.yaml`` points)."""
-    return hashlib.sha256(normalized_python((root / architecture_file).read_text(encoding="utf-8-sig"),
-                                            architecture_file).encode()).hexdigest()
 
 
 def _refusal(findings: list[Finding]) -> IntakeRefused:

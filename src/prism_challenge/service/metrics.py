@@ -1,6 +1,8 @@
 """``GET /metrics``: Prometheus metrics (``prometheus_client``), one registry per app.
 
-- ``prism_http_requests_total{method, route, status}``: answers by route template.
+- ``prism_http_requests_total{method, route, status}``: answers by route template (an
+  unmatched path is ``unmatched``) and method (:func:`method_label`: every label value is from a
+  fixed set, so a client cannot add series by inventing paths or methods).
 - ``prism_intake_total{outcome}``: submission requests by outcome (``accepted`` or the
   error code: ``bad-signature``, ``zip-bomb``, ...).
 - ``prism_intake_seconds``: the intake's time (unpack, gates, hashes), seconds.
@@ -19,6 +21,16 @@ from sqlalchemy import func, select
 
 from prism_challenge.service.models import STATUSES, Submission
 from prism_challenge.service.store import Store
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+"""The methods of RFC 9110 section 9 and PATCH (RFC 5789): the ``method`` label's values, with ``other``."""
+
+
+def method_label(method: str) -> str:
+    """``method`` when it is one of :data:`HTTP_METHODS`, else ``other`` (the server accepts
+    any token as a method; each new label value would be a new time series)."""
+    return method if method in HTTP_METHODS else "other"
 
 
 class _StatusCollector(Collector):
@@ -49,4 +61,4 @@ class ServiceMetrics:
         self.registry.register(_StatusCollector(store, profile))
 
 
-__all__ = ["ServiceMetrics"]
+__all__ = ["HTTP_METHODS", "ServiceMetrics", "method_label"]

@@ -19,6 +19,8 @@ from prism_challenge.bundle import IntakeLimits
 
 CONFIG_ENV = "PRISM_CONFIG"
 _LIMITS = IntakeLimits()
+MIN_TOKEN_CHARS = 16
+"""The shortest ``internal_token`` accepted."""
 WEIGHT_RULES = ("family-split", "winner-takes-all")
 """The rules of ``GET /internal/v1/weights`` (:mod:`prism_challenge.service.weights`)."""
 
@@ -45,6 +47,11 @@ class ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body in bytes (413 past it)")
+    body_timeout_s: float = Field(60.0, gt=0, description="seconds a submission's whole body may take to arrive "
+                                  "after its headers (408 past it)")
+    max_connections: int = Field(64, ge=1, description="a request that finds this many connections open (its "
+                                 "own included) is answered 503 (uvicorn's limit_concurrency): the bodies buffered "
+                                 "in memory stay under about max_connections * max_body_bytes")
     max_bundle_files: int = Field(_LIMITS.max_files, ge=1, description="most zip members")
     max_bundle_bytes: int = Field(_LIMITS.max_archive_bytes, ge=1, description="most uncompressed zip bytes")
     max_bundle_ratio: float = Field(_LIMITS.max_ratio, gt=1, description="largest compression ratio of a member")
@@ -60,9 +67,29 @@ class ServiceSettings(BaseSettings):
     weights_rule: Literal["family-split", "winner-takes-all"] = "family-split"
     family_share: float = Field(0.6, ge=0, le=1, description="family-split: the family owner's share; the best "
                                 "training variant on it gets 1 - family_share")
+    public_architectures: list[Path] = Field([], description="architecture.py files whose families are public "
+                                             "(nobody's variant, no author's share), besides prism init's template "
+                                             "and the source tree's examples")
     intake_parameter_check: bool = Field(False, description="also run the parameter cap (a sandboxed build_model) "
                                          "at intake; the evaluation runs it anyway")
     intake_timeout_s: float = Field(60.0, gt=0, description="the parameter cap's child limit at intake, seconds")
+
+    @field_validator("public_architectures")
+    @classmethod
+    def _existing_architectures(cls, value: list[Path]) -> list[Path]:
+        missing = [str(p) for p in value if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such file: {', '.join(missing)}")
+        return value
+
+    @field_validator("internal_token")
+    @classmethod
+    def _long_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"must be at least {MIN_TOKEN_CHARS} characters (failed tries are not limited, so a "
+                             "short token can be guessed online; e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))')")
+        return value
 
     @field_validator("profile")
     @classmethod
@@ -113,4 +140,4 @@ def _existing(path: Path) -> Path:
     return path
 
 
-__all__ = ["CONFIG_ENV", "ServiceSettings", "WEIGHT_RULES"]
+__all__ = ["CONFIG_ENV", "MIN_TOKEN_CHARS", "ServiceSettings", "WEIGHT_RULES"]

@@ -14,7 +14,8 @@ SS58 (https://docs.substrate.io/reference/address-formats/): base58 of
 ``prefix || public key (32 bytes) || checksum``, the checksum being the first 2 bytes of
 BLAKE2b-512 over ``b"SS58PRE" || prefix || public key``; a one-byte prefix for network ids
 0..63 (42 is the generic Substrate network, whose addresses start with ``5``), two bytes for
-64..16383.
+64..16383 only: a two-byte prefix below 64 is refused, so each key has exactly one address per
+network (base58 of given bytes is unique), and a hotkey string names one identity.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ SS58_PREFIX = 42
 _CONTEXT = b"SS58PRE"
 _HEX = re.compile(r"(0x)?[0-9a-fA-F]{128}")
 WRAP = (b"<Bytes>", b"</Bytes>")
+IDENTITY = bytes(32)
+"""The compressed Ristretto255 identity (RFC 9496). As a public key A = 0, the Schnorr check
+``s*B == R + k*A`` holds for R = s*B and any message, and ``sr25519.verify`` accepts it; so
+:func:`ss58_decode` refuses its addresses (Ristretto's encoding is canonical and its group has
+prime order: no other encoding of it and no other small-order key exist)."""
 
 
 class SignatureError(ValueError):
@@ -39,7 +45,8 @@ def ss58_decode(address: str) -> tuple[bytes, int]:
     """The 32-byte public key and the network prefix of an SS58 address.
 
     Raises:
-        SignatureError: not base58, a length that is no account id, or a bad checksum.
+        SignatureError: not base58, a length that is no account id, a reserved or non-canonical
+            (two-byte, below 64) prefix, a bad checksum, or the identity key (:data:`IDENTITY`).
     """
     try:
         raw = base58.b58decode(address.encode("ascii"))
@@ -52,11 +59,17 @@ def ss58_decode(address: str) -> tuple[bytes, int]:
     elif len(raw) == 36 and raw[0] & 0b0100_0000:
         plen = 2
         prefix = ((raw[0] & 0b0011_1111) << 2) | (raw[1] >> 6) | ((raw[1] & 0b0011_1111) << 8)
+        if prefix < 64:  # the one-byte form's networks: a second string for one key and network
+            raise SignatureError(f"hotkey {address!r}: a two-byte SS58 prefix {prefix} (two bytes are for "
+                                 "networks 64..16383 only; write it with the one-byte prefix)")
     else:
         raise SignatureError(f"hotkey {address!r}: {len(raw)} bytes decoded, not an SS58 account id (35 or 36)")
     body, checksum = raw[:-2], raw[-2:]
     if hashlib.blake2b(_CONTEXT + body, digest_size=64).digest()[:2] != checksum:
         raise SignatureError(f"hotkey {address!r}: bad SS58 checksum")
+    if body[plen:] == IDENTITY:
+        raise SignatureError(f"hotkey {address!r}: the identity public key (32 zero bytes), for which anyone "
+                             "can forge a signature: not a hotkey")
     return bytes(body[plen:]), prefix
 
 
@@ -115,4 +128,5 @@ def sign_request(seed: bytes, nonce: str, timestamp: int, body: bytes) -> dict[s
     return {"X-Hotkey": hotkey, "X-Signature": sig, "X-Nonce": nonce, "X-Timestamp": str(timestamp)}
 
 
-__all__ = ["SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode", "verify"]
+__all__ = ["IDENTITY", "SS58_PREFIX", "SignatureError", "message", "sign", "sign_request", "ss58_decode", "ss58_encode",
+           "verify"]

@@ -38,10 +38,20 @@ def leaderboard_page(request: Request) -> HTMLResponse:
     return _page(request, "leaderboard.html", entries=board(request), epsilon=request.app.state.epsilon)
 
 
+def error_page(request: Request, exc: ApiError) -> HTMLResponse:
+    """``exc`` as a page (its status, code and message) for a browser, not the JSON body."""
+    return templates.TemplateResponse(request, "error.html", {"profile": request.app.state.profile,
+                                      "status": exc.status, "error": exc.body()["error"]}, status_code=exc.status)
+
+
 @router.get("/submissions/{sid}", response_class=HTMLResponse)
 def submission_page(request: Request, sid: int = SubmissionId) -> HTMLResponse:
-    """A submission: status, failure, scores, its learning curve and attempts."""
-    view = submission_view(request, sid)
+    """A submission: status, failure, scores, its learning curve and attempts (an unknown id:
+    a 404 page)."""
+    try:
+        view = submission_view(request, sid)
+    except ApiError as exc:
+        return error_page(request, exc)
     run = latest_run(request.app.state.store, sid)
     has_curve = bool(run is not None and (run.manifest.get("curve") or {}).get("nats_per_target"))
     return _page(request, "submission.html", s=view, has_curve=has_curve)
@@ -78,7 +88,7 @@ def howto_page(request: Request) -> HTMLResponse:
     s = request.app.state.settings
     window = f"{s.rate_window_s / 3600:g} h" if s.rate_window_s >= 3600 else f"{s.rate_window_s:g} s"
     return _page(request, "howto.html", base_url=str(request.base_url).rstrip("/"), max_body=s.max_body_bytes,
-                 window=s.signature_window_s, rate_limit=s.rate_limit, rate_window=window)
+                 window=s.signature_window_s, rate_limit=s.rate_limit, rate_window=window, ss58_prefix=s.ss58_prefix)
 
 
-__all__ = ["router"]
+__all__ = ["error_page", "router"]

@@ -1,9 +1,10 @@
 """``POST /v1/submissions`` (sr25519-signed) and ``POST /internal/v1/submissions`` (gateway).
 
 The order of the checks, cheapest first, each answering its own code: the headers (400) and the
-timestamp window (401), the body read while it streams and cut at the limit (413), the signature
-(401), the hotkey's rate limit (429 with ``Retry-After``), the nonce (409: recorded only once
-the signature verified, so a forged request cannot burn a nonce), then the intake
+timestamp window (401), the body read while it streams and cut at the limit (413) or the body
+timeout (408), the signature (401), the nonce (409: recorded only once the signature verified, so
+a forged request cannot burn a nonce), the hotkey's rate limit (429 with ``Retry-After``: after
+the nonce, so replaying a captured request cannot spend its hotkey's limit), then the intake
 (:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings), the
 duplicate check (409 with the earlier id) and the new ``pending`` row (202). The bundle's
 bytes are stored (:class:`~prism_challenge.service.blobs.BlobStore`) before its row, under the
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 
 from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.service.errors import ApiError
+from prism_challenge.service.families import public_families
 from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
 from prism_challenge.service.models import utcnow
 from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
@@ -54,18 +56,25 @@ _GATEWAY = {**_ZIP_BODY, "parameters": [
     {"name": "X-Verified-Hotkey", "in": "header", "required": True, "schema": {"type": "string"}}]}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused (413 ``body-too-large``) as soon as more than ``limit`` bytes
-    are declared (``Content-Length``) or have arrived, before the rest is read."""
+    are declared (``Content-Length``) or have arrived, before the rest is read, and (408
+    ``body-timeout``) when it has not all arrived ``timeout_s`` seconds after the headers: a
+    client trickling its body a byte at a time holds a connection and its buffer no longer."""
     declared = request.headers.get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit, partial=True)
-        chunks.append(chunk)
+    with anyio.move_on_after(timeout_s) as scope:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, partial=True)
+            chunks.append(chunk)
+    if scope.cancelled_caught:
+        raise ApiError(408, "body-timeout", f"{size:,} bytes of the body arrived in {timeout_s:g} s: the whole body "
+                       "must arrive within body_timeout_s", stage="request", rule="prism:body-timeout",
+                       headers={"Connection": "close"})
     if size == 0:
         raise ApiError(400, "empty-body", "the request has no body: send the bundle's zip", stage="request",
                        rule="prism:body")
@@ -95,11 +104,11 @@ async def submit(request: Request) -> JSONResponse:
     ``prism:{hotkey}:{nonce}:{timestamp}:{sha256(body)}``), ``X-Nonce``, ``X-Timestamp`` (Unix s)."""
     settings = request.app.state.settings
     hotkey, signature, nonce, timestamp = signed_headers(request, settings.signature_window_s, settings.ss58_prefix)
-    body = await read_body(request, settings.max_body_bytes)
+    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
-    _rate(request, hotkey)
     await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
                                    settings.signature_window_s)  # database writes: off the event loop
+    _rate(request, hotkey)  # after the nonce: a replayed request cannot spend its hotkey's limit
     return await _accept(request, hotkey, body)
 
 
@@ -125,7 +134,7 @@ async def submit_internal(request: Request) -> JSONResponse:
         raise ApiError(400, "missing-header", f"{VERIFIED_HOTKEY}: required header is missing", stage="auth",
                        rule="prism:internal-token")
     hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
-    body = await read_body(request, settings.max_body_bytes)
+    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     _rate(request, hotkey)
     return await _accept(request, hotkey, body)
 
@@ -161,7 +170,8 @@ def _register(state, hotkey: str, body: bytes, intake: Intake) -> tuple[int, int
             raise ApiError(409, "duplicate", f"the same normalized source as submission {earlier} (comments, "
                            "docstrings and layout aside)", stage="intake", rule="prism:duplicate",
                            duplicate_of=earlier)
-        variant_of = family_root(state.store, intake.family_sha256, profile)
+        public = public_families(tuple(state.settings.public_architectures))
+        variant_of = None if intake.family_sha256 in public else family_root(state.store, intake.family_sha256, profile)
         sha = state.blobs.put(body)
         sid = state.store.submit(hotkey, sha, max_attempts=state.settings.max_attempts,
                                  source_sha256=intake.source_sha256, family_sha256=intake.family_sha256,
