@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
+from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, keep_bundle
+from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
@@ -418,6 +420,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
             bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None))
 
+    key = _probe_key(data.root, bundle, opts.seed)
     feeder = Feeder(
         sock_path,
         chunks,
@@ -431,7 +434,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         on_record=_recorded,
         # the scored model's state: 16 bytes per capped element (float64, a tied tensor twice)
         max_state_bytes=16 * opts.max_parameters + (1 << 20),
-        probe_key=_probe_key(data.root, bundle, opts.seed),
+        probe_key=key,
+        audit_dir=run_dir / AUDIT_DIR,
+        audited_batches=opts.audited_batches,
+        stream_bytes=int(data.split("train").get("utf8_bytes") or 0) or None,
     )
     try:
         sandbox = _sandbox(opts, run_dir, artifacts, data.root, bundle, device)
@@ -525,10 +531,17 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         state_path.parent.mkdir(exist_ok=True)
         torch.save(result.state, state_path)
 
-    # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
+    # 5. the audit and the held-out evaluation (bounded, sandboxed, fresh processes), the verdict
     verdict = None
+    audit = None
     if score is not None and failure is None:
         with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
+            keep_bundle(frozen.root, run_dir)
+            if opts.audited_batches > 0:
+                audit = audit_run(jail=sandbox.jail, config=child_config(
+                    _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
+                    result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
+                    artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
             heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
             verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                     heldout_error=heldout_error, policy=opts.policy)
@@ -536,6 +549,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                 # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                 verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
                                               flags=[*verdict.flags, "heldout_contract"])
+            if audit is not None:
+                verdict = apply_audit(verdict, audit)
             mark.failed = control.cancelled
     if control.cancelled and failure is None:  # cancelled during the held-out stage
         failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
@@ -564,6 +579,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["isolation"] = sandbox.summary()
     manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
+    manifest["audit"] = audit.to_dict() if audit is not None else None
     with control.stage("manifest", check=False):
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)

@@ -33,6 +33,9 @@ class Kind(IntEnum):
     ERROR = 8  # R->F {stage, message, traceback}
     DONE = 9  # R->F {peak_rss_bytes, state_sha256, ...}: train(ctx) returned
     STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
+    AUDIT = 11  # F->R {step, audit}: the answer to the record of batch `step` (audited or not)
+    SNAPSHOT = 12  # R->F {step, name, dtype, shape} + raw bytes: one tensor of an audited batch's state
+    SNAPSHOT_END = 13  # R->F {step, tensors}: the audited batch's state is complete
 
 
 class ProtocolError(RuntimeError):
@@ -151,6 +154,18 @@ class FrameReader:
             self._start = self._end
             _recv_into(self.sock, memoryview(out)[have:])
         return out
+
+    def recv_exact(self) -> tuple[Kind, dict[str, Any]]:
+        """Receive one payload-less frame reading exactly its bytes, nothing past it: the frame
+        that follows (the next batch) stays in the socket.
+
+        Raises:
+            ProtocolError: as :func:`recv`, or bytes already buffered (a frame read too early).
+        """
+        if self._start != self._end:
+            raise ProtocolError("a frame arrived before the one expected")
+        kind, header, _ = recv(self.sock, max_payload=0)
+        return kind, header
 
     def recv(self, max_payload: int) -> tuple[Kind, dict[str, Any], bytearray]:
         """Receive one frame: (kind, header, payload), as :func:`recv`.

@@ -17,6 +17,7 @@ this process before the loop asks for it, after the current batch's record has l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -36,7 +37,7 @@ from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, score_batch
-from prism_challenge.evaluator.interface import Batch, PrismContext
+from prism_challenge.evaluator.interface import Batch, PrismContext, context_values, run_context
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import (
     determinism_change,
@@ -60,8 +61,9 @@ TRACEBACK_LINES = 15
 class Runtime:
     """The runner's side of ``PrismContext``: model building and the instrumented stream."""
 
-    def __init__(self, reader: protocol.FrameReader, config: dict[str, Any]):
+    def __init__(self, reader: protocol.FrameReader, config: dict[str, Any], rank: int = 0):
         self.sock = reader.sock
+        self.rank = rank
         self.reader = reader
         self.config = config
         self.vocab_size = int(config["vocab_size"])
@@ -187,6 +189,7 @@ class Runtime:
                 (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
                 (Kind.NEXT, request),
             )
+            self._answer_audit(model, step)
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -195,6 +198,24 @@ class Runtime:
                 protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
                 raise
             step += 1
+
+    def _answer_audit(self, model: nn.Module, step: int) -> None:
+        """Read the feeder's answer to the record of batch ``step`` (exactly that frame: the next
+        batch stays in the socket) and, when the batch is audited, send rank 0's snapshot of the
+        scored module's state as it stands: the weights that scored the batch, before the loop
+        trains on it (:mod:`~prism_challenge.evaluator.auditplan`).
+
+        Raises:
+            protocol.ProtocolError: another frame, or the answer to another batch.
+        """
+        kind, header = self.reader.recv_exact()
+        if kind != Kind.AUDIT or header.get("step") != step:
+            raise protocol.ProtocolError(f"expected the audit answer for batch {step}, got {kind.name} {header}")
+        if header.get("audit") is True and self.rank == 0:
+            state = cpu_state(model)
+            for head, payload in frames(state):
+                protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
+            protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
 
     def _check_determinism(self, step: int) -> None:
         """Fail the run (stage contract) when the loop switched forced determinism or precision
@@ -286,24 +307,12 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
     config["device"] = device
     force_determinism(int(config["seed"]), int(config["threads"]))
     arm(str(config["bundle_root"]), [str(config["artifacts_dir"])], hidden=config.get("hidden", ()))  # for good
-    runtime = Runtime(reader, config)
+    runtime = Runtime(reader, config, rank)
     try:
         train = _import_bundle(runtime, config)
-        ctx = PrismContext(
-            seed=int(config["seed"]),
-            vocab_size=int(config["vocab_size"]),
-            sequence_length=int(config["sequence_length"]),
-            max_parameters=int(config["max_parameters"]),
-            device=device,
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            artifacts_dir=str(config["artifacts_dir"]),
-            token_budget=config.get("token_budget"),
-            step_budget=config.get("step_budget"),
-            tokenizer_name=runtime.tokenizer_name,
-            _runtime=runtime,
-        )
+        ctx = run_context(context_values(config, world_size), rank=rank, device=device, runtime=runtime)
+        if local_rank != rank:
+            ctx = dataclasses.replace(ctx, local_rank=local_rank)
         runtime.stage = "train"
         train(ctx)
     except BaseException as exc:  # noqa: BLE001 - everything the submission raises is reported

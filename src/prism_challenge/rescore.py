@@ -1,0 +1,453 @@
+"""The audit after the stream: audited batches scored again from their weight snapshots, and
+blind probes with real text, each in fresh sandboxed processes (:mod:`~prism_challenge.evaluator.auditplan`).
+
+For every audited step the trusted side holds each rank's slice ``[B, T]`` of the batch, the nats
+each rank recorded for it, and rank 0's snapshot of the scored module's state as it stood when
+the batch was scored. Two kinds of child, started through the run's
+:class:`~prism_challenge.evaluator.jail.Jail` with the run's own context values
+(:func:`prism_challenge.evaluator.interface.run_context`; ``ctx.artifacts_dir`` the run's path,
+an empty folder then), rebuild the model with ``build_model`` under the forced seed for each
+slice and load the snapshot:
+
+* the **re-scoring** child scores the slice as the instrument did
+  (:func:`~prism_challenge.evaluator.instrument.measure`): its nats must equal the record
+  (:func:`~prism_challenge.evaluator.auditplan.within`); a difference zeroes the run. State kept
+  outside the ``state_dict`` (a Python attribute the loop switches) is not in the snapshot, so a
+  model whose record depended on it is caught.
+* the **blind probe** child, a separate fresh process, is shown for each slice a batch of the
+  same shape ``[B, T]`` in which every row ``b`` keeps its tokens before a keyed position
+  ``k_b`` and continues with real held-out text (the val split: never in the train stream, no
+  true future token of any row). Its log-probabilities at ``(b, k_b - 1)`` must give the true
+  token ``tokens[b, k_b]`` the nats the re-scoring gave it, within
+  :data:`~prism_challenge.evaluator.instrument.PROBE_TOLERANCE_NATS`. A model that reads a later
+  token (from the snapshot's state or not) is caught here.
+
+``python -m prism_challenge.rescore --stdin`` is the child (config, batches, then one frame per
+snapshot on stdin; one JSON line on stdout).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prism_challenge.evaluator.auditplan import within
+from prism_challenge.heldout import _frame, _pack_batches, _read_frame, _unpack_batches
+
+CHILD_STATE_BYTES = 1 << 30
+"""Most snapshot bytes one child is sent: more snapshots go to further children."""
+STDERR_TAIL_LINES = 15
+
+
+class AuditError(RuntimeError):
+    """The audit could not run to its end; the message says why (``stage: reason``)."""
+
+
+@dataclass
+class Job:
+    """One slice to score again: ``state`` indexes the snapshots, ``picks`` the ``(row, k)`` probed."""
+
+    step: int
+    rank: int
+    state: int
+    tokens: np.ndarray
+    picks: list[tuple[int, int]]
+    probe: np.ndarray | None = None
+
+
+@dataclass
+class AuditReport:
+    """The audit's outcome (the manifest's ``audit`` section, :meth:`to_dict`).
+
+    Attributes:
+        batches: per audited step ``{step, snapshot_sha256, inputs_sha256, recorded_nats,
+            rescored_nats, match}`` (nats per rank, ``None``: not finite).
+        blind_probes: rows probed blind; ``probe_skipped`` says why none were.
+        mismatch: the first record its re-scoring did not reproduce, or the first blind probe
+            that failed, named; ``None`` when all passed.
+        error: why the audit could not run (it zeroes the run like a mismatch).
+    """
+
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    blind_probes: int = 0
+    probe_skipped: str | None = None
+    mismatch: str | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """No mismatch and no error."""
+        return self.mismatch is None and self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``audit`` section."""
+        return {**self.meta, "batches": self.batches, "blind_probes": self.blind_probes,
+                "probe_skipped": self.probe_skipped, "mismatch": self.mismatch, "error": self.error,
+                "passed": self.passed, "wall_s": self.wall_s}
+
+
+def _draw(key: bytes, label: str) -> int:
+    return int.from_bytes(hmac.new(key, label.encode(), hashlib.sha256).digest()[:8], "big")
+
+
+def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, rank: int
+                ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The blind probe's input for one slice and its ``(row, k)`` picks.
+
+    Row ``b`` keeps ``tokens[b, :k_b]`` and continues with ``T - k_b`` consecutive tokens of
+    ``filler`` (held-out text) from a keyed offset; ``1 <= k_b < T`` keyed by ``(step, rank, b)``.
+
+    Raises:
+        ValueError: ``filler`` is shorter than ``T``.
+    """
+    rows, t = tokens.shape
+    if len(filler) < t:
+        raise ValueError(f"the held-out text ({len(filler)} tokens) is shorter than a row ({t})")
+    out = np.empty_like(tokens)
+    picks = []
+    for b in range(rows):
+        k = 1 + _draw(key, f"audit-probe-k:{step}:{rank}:{b}") % (t - 1)
+        off = _draw(key, f"audit-probe-offset:{step}:{rank}:{b}") % (len(filler) - (t - k) + 1)
+        out[b, :k] = tokens[b, :k]
+        out[b, k:] = filler[off : off + t - k]
+        picks.append((b, k))
+    return out, picks
+
+
+def inputs_digest(job_tokens: Sequence[np.ndarray]) -> str:
+    """sha256 over the int64 bytes of a step's slices (rank order)."""
+    h = hashlib.sha256()
+    for t in job_tokens:
+        h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key: bytes
+         ) -> tuple[list[Job], list[Path], list[str]]:
+    """The jobs of the audited steps that are complete, their snapshot files, and what is missing.
+
+    Returns ``(jobs, snapshot paths, problems)``: a problem names a step without its snapshot or
+    without a slice or record of every rank (the run is then zeroed).
+    """
+    jobs, paths, problems = [], [], []
+    for step in sorted(audits):
+        a = audits[step]
+        if a.snapshot is None or len(a.pieces) < world_size or len(a.recorded) < world_size:
+            what = "its weight snapshot" if a.snapshot is None else "a record of every rank"
+            problems.append(f"audited batch {step}: {what} never arrived")
+            continue
+        paths.append(Path(a.snapshot))
+        for r in range(world_size):
+            probe, picks = (None, []) if filler is None else probe_batch(a.pieces[r], filler, key, step, r)
+            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], picks, probe))
+    return jobs, paths, problems
+
+
+def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
+    """Snapshot indices per child: at most :data:`CHILD_STATE_BYTES` of files each (one at least)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, p in enumerate(paths):
+        n = p.stat().st_size
+        if not groups or size + n > CHILD_STATE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, mode: str,
+                 deadline: float, writable: Sequence[str]) -> list[dict[str, Any]]:
+    """Run the ``mode`` (``rescore`` or ``blind``) children over every job; their per-job results
+    in job order.
+
+    Raises:
+        AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error.
+    """
+    results: list[dict[str, Any]] = []
+    for group in _groups(jobs, paths):
+        mine = [j for j in jobs if j.state in group]
+        index = {s: i for i, s in enumerate(group)}
+        child = {**config, "mode": mode,
+                 "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
+        batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
+        payload = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
+        payload += b"".join(_frame(paths[s].read_bytes()) for s in group)
+        done = jail.run([sys.executable, "-m", "prism_challenge.rescore", "--stdin"], input=payload,
+                        timeout_s=deadline - time.monotonic(), writable=writable)
+        reply = _reply(done, mode)
+        got = reply.get("jobs")
+        if not isinstance(got, list) or len(got) != len(mine):
+            raise AuditError(f"protocol: malformed reply from the {mode} process")
+        results += got
+    return results
+
+
+def _reply(done: Any, mode: str) -> dict[str, Any]:
+    if done.timed_out:
+        raise AuditError(f"timeout: the {mode} process ran past the audit's time limit")
+    if done.refusal is not None:
+        raise AuditError(f"contract: {done.failure.partition(': ')[2]}")
+    tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        reply = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        reply = None
+    if not isinstance(reply, dict):
+        raise AuditError(f"{done.failure or 'crash: no result'} in the {mode} process\n{tail}".rstrip())
+    if not reply.get("ok"):
+        raise AuditError(str(reply.get("error") or f"{mode}: failed without a reason"))
+    return reply
+
+
+def _nats(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise AuditError("protocol: malformed nats in a reply")
+    return float(v)
+
+
+def compare_rescore(jobs: list[Job], audits: dict[int, Any], results: list[dict[str, Any]], device: str,
+                    world_size: int, report: AuditReport) -> None:
+    """Fill ``report.batches`` and the first record mismatch (:func:`~prism_challenge.evaluator.auditplan.within`)."""
+    by_step: dict[int, dict[int, float | None]] = {}
+    for job, res in zip(jobs, results):
+        by_step.setdefault(job.step, {})[job.rank] = _nats(res.get("nats"))
+    for step in sorted(by_step):
+        a = audits[step]
+        recorded = [a.recorded[r] for r in range(world_size)]
+        rescored = [by_step[step].get(r) for r in range(world_size)]
+        ok = all(within(x, y, device) for x, y in zip(recorded, rescored))
+        report.batches.append({"step": step, "snapshot_sha256": a.sha256,
+                               "inputs_sha256": inputs_digest([a.pieces[r] for r in range(world_size)]),
+                               "recorded_nats": recorded, "rescored_nats": rescored, "match": ok})
+        if not ok and report.mismatch is None:
+            r = next(i for i, (x, y) in enumerate(zip(recorded, rescored)) if not within(x, y, device))
+            report.mismatch = (f"audited batch {step}" + (f" (rank {r})" if world_size > 1 else "")
+                               + f": recorded {recorded[r]!r} nats, re-scored {rescored[r]!r} nats from the weights "
+                               f"that scored it, in a fresh process (the forward may depend only on the "
+                               f"state_dict and the input)")
+
+
+def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind: list[dict[str, Any]], vocab_size: int,
+                  autocast: Any) -> tuple[int, str | None]:
+    """(rows probed, the first failed probe named or ``None``).
+
+    Raises:
+        AuditError: a malformed reply.
+    """
+    import torch
+
+    from prism_challenge.blindprobe import PRECISIONS
+    from prism_challenge.evaluator.instrument import PROBE_TOLERANCE_NATS, probe_precision
+
+    probed = 0
+    for job, full, seen in zip(jobs, rescored, blind):
+        picked, vectors, name = full.get("picked"), seen.get("logprobs"), seen.get("precision")
+        if not (isinstance(picked, list) and isinstance(vectors, list) and len(picked) == len(vectors) == len(job.picks)
+                and name in PRECISIONS):
+            raise AuditError("protocol: malformed reply from the blind probe process")
+        tol = PROBE_TOLERANCE_NATS[probe_precision(getattr(torch, name), autocast)]
+        for (row, k), ref, enc in zip(job.picks, picked, vectors):
+            lp = np.frombuffer(base64.b64decode(enc), dtype=np.float32)
+            if lp.shape != (vocab_size,):
+                raise AuditError("protocol: malformed log-probabilities from the blind probe process")
+            ref, got = _nats(ref), 0.0 - float(lp[int(job.tokens[row, k])])
+            probed += 1
+            if ref is None or not (math.isfinite(ref) and math.isfinite(got)):
+                continue  # non-finite: charged 2 ln V per target already
+            if not (ref == got or abs(ref - got) <= tol):
+                return probed, (f"blind probe of audited batch {job.step}, row {row}" +
+                                (f" of rank {job.rank}" if job.rank else "") +
+                                f": token {k} cost {ref:.6g} nats when the model was shown the whole row and "
+                                f"{got:.6g} nats when the row went on with other real text after token {k - 1} "
+                                f"(over the {name} tolerance of {tol:.3g}; a prediction may use earlier tokens "
+                                f"of its own row only)")
+    return probed, None
+
+
+def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, world_size: int, filler: np.ndarray | None,
+              key: bytes, timeout_s: float, artifacts_dir: str, meta: dict[str, Any] | None = None) -> AuditReport:
+    """Re-score every audited batch and probe it blind; never raises for the submission's failures.
+
+    Args:
+        config: the model configuration (``pipeline._model_config``) plus ``context`` (the run's
+            :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank) and
+            ``hidden``.
+        audits: the feeder's :class:`~prism_challenge.evaluator.snapshots.AuditedStep` by step.
+        filler: held-out token ids for the blind probes (``None``: no probe; say why in ``meta``).
+        key: the run's secret key (the probed positions and the text's offsets).
+        artifacts_dir: an empty folder at the run's ``ctx.artifacts_dir`` path (writable).
+
+    Returns:
+        The report: ``mismatch`` or ``error`` set means the run is zeroed.
+    """
+    from prism_challenge.evaluator.instrument import autocast_dtype
+
+    t0 = time.monotonic()
+    report = AuditReport(meta=dict(meta or {}))
+    jobs, paths, problems = plan(audits, world_size, filler, key)
+    if problems:
+        report.error = problems[0]
+    if not jobs:
+        report.error = report.error or "no audited batch has a snapshot"
+        report.wall_s = time.monotonic() - t0
+        return report
+    device = str(config.get("device", "cpu"))
+    deadline = t0 + timeout_s
+    try:
+        rescored = run_children(jail, config, jobs, paths, mode="rescore", deadline=deadline, writable=[artifacts_dir])
+        compare_rescore(jobs, audits, rescored, device, world_size, report)
+        if filler is not None and report.mismatch is None:
+            blind = run_children(jail, config, jobs, paths, mode="blind", deadline=deadline, writable=[artifacts_dir])
+            report.blind_probes, report.mismatch = compare_blind(
+                jobs, rescored, blind, int(config["vocab_size"]), autocast_dtype(config.get("scoring_autocast")))
+    except AuditError as exc:
+        report.error = report.error or str(exc)
+    except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable
+        report.error = report.error or f"audit: {exc}"
+    report.wall_s = time.monotonic() - t0
+    return report
+
+
+# -------------------------------------------------------------------------------------------
+# The child process
+# -------------------------------------------------------------------------------------------
+def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: int, autocast: Any) -> dict[str, Any]:
+    import torch
+
+    from prism_challenge.evaluator.instrument import (
+        check_logits,
+        measure,
+        position_logprobs,
+        probe_precision,
+        scoring_forward,
+    )
+
+    picks = [(int(r), int(k)) for r, k in job["picks"]]
+    if mode == "rescore":
+        scored = measure(model, tokens, vocab, autocast=autocast)
+        nats = scored.nats if math.isfinite(scored.nats) else None
+        return {"nats": nats, "picked": [0.0 - float(scored.logprobs[r, k - 1]) for r, k in picks]}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = check_logits(scoring_forward(model, tokens, autocast), tokens.shape[0], tokens.shape[1], vocab)
+            vectors = [base64.b64encode(position_logprobs(logits, r, k - 1, vocab).cpu().numpy()
+                                        .astype(np.float32).tobytes()).decode() for r, k in picks]
+            precision = str(probe_precision(logits.dtype, autocast)).removeprefix("torch.")
+    finally:
+        for m, was in modes:
+            m.training = was
+    return {"logprobs": vectors, "precision": precision}
+
+
+def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[bytes]) -> list[dict[str, Any]]:
+    """The child's work: per job, build the model in the run's context, load its snapshot, score.
+
+    Raises:
+        AuditError: ``"<stage>: <reason>"`` for import, build, load and score failures.
+    """
+    import importlib
+    import io
+
+    import torch
+    from torch import nn
+
+    from prism_challenge.evaluator.audit import arm
+    from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
+    from prism_challenge.evaluator.interface import run_context
+    from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
+    from prism_challenge.gates.param_count import count_unique_elements
+    from prism_challenge.heldout import _BuildOnly
+
+    device = str(config.get("device", "cpu"))
+    device = "cuda:0" if device == "cuda" else device
+    seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])
+    force_determinism(seed, int(config.get("threads", 1)))
+    stage = "import"
+    try:
+        root = str(config["bundle_root"])
+        force_source_imports(root)
+        sys.path.insert(0, root)
+        arm(root, [str(config["context"]["artifacts_dir"])], hidden=config.get("hidden", ()))
+        module, symbol = config["architecture"]
+        fn = getattr(importlib.import_module(module), symbol, None)
+        if not callable(fn):
+            raise AuditError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
+        runtime = _BuildOnly(fn, seed)
+        autocast = autocast_dtype(config.get("scoring_autocast"))
+        out = []
+        for job, batch in zip(config["jobs"], batches):
+            stage = "build"
+            ctx = run_context(config["context"], rank=int(job["rank"]), device=device, runtime=runtime)
+            model = runtime.build_model(ctx)
+            if not isinstance(model, nn.Module):
+                raise AuditError(f"build: build_model(ctx) returned {type(model).__name__}, not a torch.nn.Module")
+            if count_unique_elements(model)[0] > int(config["max_parameters"]):
+                raise AuditError("build: the model is over the parameter cap")
+            stage = "load"
+            sd = torch.load(io.BytesIO(states[int(job["state"])]), map_location="cpu", weights_only=True)
+            model.load_state_dict(sd, strict=True)
+            model = model.to(device)
+            stage = "score"
+            tokens = torch.tensor(batch, dtype=torch.int64).to(device)  # a copy: the model may write to it
+            out.append(_score_job(model, tokens, job, mode, vocab, autocast))
+            del model
+        return out
+    except AuditError:
+        raise
+    except ContractError as exc:
+        raise AuditError(f"contract: {exc}") from None
+    except MemoryError:
+        raise AuditError(f"{stage}: out of memory (MemoryError)") from None
+    except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
+        raise AuditError(f"{stage}: {type(exc).__name__}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m prism_challenge.rescore --stdin``: one JSON line ``{"ok": true, "jobs": [...]}``
+    or ``{"ok": false, "error": ...}`` on stdout; exit status 0 or 1."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout lands in stderr
+    if argv != ["--stdin"]:
+        sys.stderr.write("usage: python -m prism_challenge.rescore --stdin\n")
+        return 2
+    try:
+        stdin = sys.stdin.buffer
+        config = json.loads(_read_frame(stdin))
+        batches = _unpack_batches(_read_frame(stdin))
+        states = [_read_frame(stdin) for _ in range(1 + max(int(j["state"]) for j in config["jobs"]))]
+        reply: dict[str, Any] = {"ok": True, "jobs": child_run(config, batches, states)}
+    except AuditError as exc:
+        reply = {"ok": False, "error": str(exc)}
+    except MemoryError:
+        reply = {"ok": False, "error": "memory: out of memory (MemoryError)"}
+    except Exception as exc:  # noqa: BLE001
+        reply = {"ok": False, "error": f"audit: {type(exc).__name__}: {exc}"}
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+    return 0 if reply["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
