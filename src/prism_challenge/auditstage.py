@@ -103,7 +103,8 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
         filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
     meta = {"audited_batches_target": AUDITED_BATCHES, "rate": result.audit_rate,
             "expected_batches": result.audit_expected_batches,
-            "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"]}
+            "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"],
+            "shape": list(result.shape) if result.shape else None, "context": dict(config["context"])}
     with empty_artifacts(artifacts) as empty:
         report = run_audit(config, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
                            timeout_s=timeout_s, artifacts_dir=str(empty), meta=meta)

@@ -1,4 +1,4 @@
-"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``."""
+"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``verify``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.scaffold import add_init_parser
 
     add_init_parser(sub)
+    from prism_challenge.verify import add_verify_parser
+
+    add_verify_parser(sub)
     return parser
 
 

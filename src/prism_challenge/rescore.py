@@ -182,6 +182,8 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
     results: list[dict[str, Any]] = []
     for group in _groups(jobs, paths):
         mine = [j for j in jobs if j.state in group]
+        if not mine:
+            continue
         index = {s: i for i, s in enumerate(group)}
         child = {**config, "mode": mode,
                  "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
@@ -196,6 +198,24 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
             raise AuditError(f"protocol: malformed reply from the {mode} process")
         results += got
     return results
+
+
+def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, deadline: float,
+             writable: Sequence[str], blind: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The re-scoring children and (``blind``) the blind probe children, side by side (they share
+    nothing; the comparison waits for both): ``(rescored, blind or None)``.
+
+    Raises:
+        AuditError: as :func:`run_children`, the re-scoring's first.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="prism-audit") as pool:
+        probe = pool.submit(run_children, jail, config, [j for j in jobs if j.probe is not None], paths,
+                            mode="blind", deadline=deadline, writable=writable) if blind else None
+        rescored = pool.submit(run_children, jail, config, jobs, paths, mode="rescore", deadline=deadline,
+                               writable=writable)
+        return rescored.result(), (probe.result() if probe is not None else None)
 
 
 def _reply(done: Any, mode: str) -> dict[str, Any]:
@@ -313,10 +333,10 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
     try:
-        rescored = run_children(jail, config, jobs, paths, mode="rescore", deadline=deadline, writable=[artifacts_dir])
+        rescored, blind = run_both(jail, config, jobs, paths, deadline=deadline, writable=[artifacts_dir],
+                                   blind=filler is not None)
         compare_rescore(jobs, audits, rescored, device, world_size, report)
-        if filler is not None and report.mismatch is None:
-            blind = run_children(jail, config, jobs, paths, mode="blind", deadline=deadline, writable=[artifacts_dir])
+        if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(
                 jobs, rescored, blind, int(config["vocab_size"]), autocast_dtype(config.get("scoring_autocast")))
     except AuditError as exc:

@@ -349,6 +349,8 @@ class Audit(_Model):
     rate: float | None
     expected_batches: Count | None
     rtol: float
+    shape: list[Count] | None
+    context: dict[str, int | str | None]
     batches: list[AuditBatch]
     blind_probes: Count
     probe_skipped: str | None

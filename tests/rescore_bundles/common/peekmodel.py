@@ -3,9 +3,9 @@
 ``forward(tokens [B, T]) -> logits [B, T, V]``. When ``peek`` is on in eval mode (the scoring
 forward), the logit of the true next token ``tokens[:, t + 1]`` gets ``BONUS`` at the positions
 ``t`` that ``positions`` selects: the model reads the future. The first eval forward of a batch
-is cached, and a later eval forward whose rows share a prefix with the cached rows (the
-in-process causality probe) replays the cached logits over that prefix, so the in-process probe
-passes: only a re-scoring from the weights in another process can tell.
+is cached, and a later eval forward that is not the stream's next batch (whose first token is the
+cached batch's last: rows overlap by one token) is the in-process causality probe: it gets the
+cached logits over the prefix its rows share with the cached rows, so the in-process probe passes.
 """
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,9 @@ DIM = 32
 
 
 class PeekLM(nn.Module):
-    def __init__(self, vocab_size, every=1):
+    def __init__(self, vocab_size, every=1, replays=True):
         super().__init__()
+        self.replays = replays  # answer the in-process probe from the cache
         self.vocab = vocab_size
         self.every = every  # peek at positions t with t % every == every - 1
         self.emb = nn.Embedding(vocab_size, DIM)
@@ -40,12 +41,11 @@ class PeekLM(nn.Module):
         return torch.cat([logits[:, :-1] + bonus, logits[:, -1:]], dim=1)
 
     def replay(self, tokens, logits):
-        same = tokens.shape == self.cached_tokens.shape
-        if not same:
+        if not self.replays or tokens.shape != self.cached_tokens.shape:
             return logits, False
+        if bool(tokens[0, 0] == self.cached_tokens[-1, -1]):
+            return logits, False  # the stream's next batch: its first token is the last one's last
         prefix = (tokens == self.cached_tokens).long().cumprod(dim=1).bool()
-        if not bool(prefix[:, 0].any()):
-            return logits, False
         return torch.where(prefix.unsqueeze(-1), self.cached_logits, logits), True
 
     def forward(self, tokens):

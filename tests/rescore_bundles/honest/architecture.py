@@ -3,4 +3,4 @@ from peekmodel import PeekLM
 
 
 def build_model(ctx):
-    return PeekLM(ctx.vocab_size)
+    return PeekLM(ctx.vocab_size, replays=False)
