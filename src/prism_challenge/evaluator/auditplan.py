@@ -18,10 +18,11 @@ short (a wall-clock budget) audits fewer.
 
 **Why A.** A cheat active on a fraction ``f`` of the batches escapes when no audited batch is one
 of them: drawn independently at the rate, ``P(escape) = (1 - rate)^(f N) ~ exp(-f (A - 1))``,
-the familiar ``1 - (1 - f)^A`` catch probability of ``A`` draws (:func:`catch_probability`);
-batch 0 is audited besides, so a cheat active from the first batch is always caught. At
-``A = 24``: ``f = 1/2`` is caught with probability ``1 - 2^-23``, ``f = 1/4`` with 0.9986,
-``f = 1/10`` with 0.91. A cheat that gains on a tenth of the batches gains a tenth as much.
+close to the familiar ``1 - (1 - f)^A`` catch probability of ``A`` draws
+(:func:`catch_probability`); batch 0 is audited besides, so a cheat active from the first batch
+is always caught. At ``A = 24``: ``f = 1/2`` is caught with probability ``1 - 2^-24``, ``f =
+1/4`` with 0.999, ``f = 1/10`` with 0.92. A cheat that gains on a tenth of the batches gains a
+tenth as much.
 """
 
 from __future__ import annotations
