@@ -159,3 +159,32 @@ def test_a_peek_at_one_position_in_six_is_zeroed_by_the_blind_probe(tmp_path, ho
     assert all(b["match"] for b in audit["batches"])  # the weights reproduce the records ...
     assert audit["mismatch"].startswith("blind probe of audited batch ")  # ... but not without the future
     assert math.isfinite(cheat)
+
+
+@pytest.mark.slow
+def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, monkeypatch):
+    import contextlib
+
+    from prism_challenge import auditstage, pipeline
+
+    seen_by_children = []  # the held-out and audit children's files, read before their folder is emptied
+    real = auditstage.empty_artifacts
+
+    @contextlib.contextmanager
+    def keeping(artifacts):
+        with real(artifacts) as empty:
+            yield empty
+            if (empty / "ctx.pt").exists():
+                seen_by_children.extend(torch.load(empty / "ctx.pt"))
+
+    monkeypatch.setattr(auditstage, "empty_artifacts", keeping)
+    monkeypatch.setattr(pipeline, "empty_artifacts", keeping)
+    outcome = run(tmp_path, bundle("ctx_probe", tmp_path), "run", token_budget=3_000)
+    assert_passes(outcome)
+    first = torch.load(outcome.run_dir / "artifacts" / "ctx.pt")  # the parameter child's, then the rank's
+    assert len(first) == 2 and len(seen_by_children) >= 4  # held-out twin and trained, blind probe, audit
+    expected = {"seed": 1234, "vocab_size": 257, "sequence_length": 256, "max_parameters": 150_000_000,
+                "device": "cpu", "rank": 0, "local_rank": 0, "world_size": 1,
+                "artifacts": str(outcome.run_dir / "artifacts"), "token_budget": 3_000, "step_budget": None}
+    for ctx in first + seen_by_children:
+        assert ctx == expected

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
-from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, keep_bundle
+from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, empty_artifacts, keep_bundle
 from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
@@ -39,6 +39,7 @@ from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
+from prism_challenge.evaluator.interface import context_values
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
 from prism_challenge.evaluator.jail import Jail, diagnose
@@ -304,7 +305,8 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
                   report.bundle.sha256 if report.bundle is not None else None)
 
 
-def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail) -> _Gated:
+def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail,
+                    context: dict[str, Any] | None = None) -> _Gated:
     """The parameter cap (the last gate) added to ``gated``.
 
     Raises:
@@ -314,7 +316,7 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
 
     t0 = time.monotonic()
     found, count = parameter_gate(bundle, vocab_size=vocab_size, seq_len=opts.seq_len,
-                                  max_parameters=opts.max_parameters, jail=jail)
+                                  max_parameters=opts.max_parameters, jail=jail, context=context)
     findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     if any(f.blocking for f in found):
         raise _refuse(findings, opts)
@@ -470,7 +472,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                     gated = _static_gates(opts, bundle.root)
                     if gated.bundle_sha256 != bundle.sha256:
                         raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
+                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail,
+                                        context_values(config, opts.nproc))
             control.check()
         stack = _cuda_stack(cuda_check, sandbox.jail)
     except BaseException:
@@ -542,7 +545,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                     _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
                     result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
                     artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
-            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
+            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
+                                              context_values(config, opts.nproc))
             verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                     heldout_error=heldout_error, policy=opts.policy)
             if heldout_error is not None and heldout_error.startswith("contract:"):
@@ -760,8 +764,10 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
 
 
 def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
-             result: FeederResult, state_path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
-    """The held-out figures, or why there are none."""
+             result: FeederResult, state_path: Path | None,
+             context: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """The held-out figures, or why there are none. ``context``: the run's context values
+    (the children see them, and the artifacts folder empty)."""
     if opts.heldout_bytes <= 0:
         return None, "disabled (--heldout-bytes 0)"
     if "val" not in (data.data.get("splits") or {}):
@@ -778,8 +784,13 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
         "seq_len": seq_len,
         "state_path": str(state_path),
     }
+    if context is not None:
+        config["context"] = context
     try:
-        return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+        if context is None:
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+        with empty_artifacts(Path(str(context["artifacts_dir"]))):
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 
