@@ -188,3 +188,15 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
                 "artifacts": str(outcome.run_dir / "artifacts"), "token_budget": 3_000, "step_budget": None}
     for ctx in first + seen_by_children:
         assert ctx == expected
+
+
+@pytest.mark.slow
+def test_a_forward_that_stores_the_batch_in_its_buffers_is_zeroed(tmp_path, honest_run):
+    # the snapshot is the state before the scoring forward: the stored batch is not in it
+    outcome = run(tmp_path, bundle("stash", tmp_path), "run")
+    audit, _ = zeroed(outcome)
+    honest = honest_run.manifest["score"]["prequential_bpb"]
+    cheat = outcome.manifest["score"]["prequential_bpb"]
+    print(f"stash: honest {honest:.4f} bpb, cheating {cheat:.4f} bpb; {audit['mismatch']}")
+    assert cheat < honest - 1.0
+    assert audit["batches"][0]["match"] and audit["mismatch"].startswith("blind probe of audited batch 0, row ")

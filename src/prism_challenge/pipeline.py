@@ -409,6 +409,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
+        "audit": opts.audited_batches > 0,  # rank 0 keeps each batch's weights until the feeder's answer
     }
     running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
 

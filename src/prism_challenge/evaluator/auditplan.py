@@ -3,8 +3,10 @@
 The trusted side (the feeder) decides, batch by batch, whether a batch is **audited**. The rank
 learns it only from the answer to that batch's loss record (:data:`~prism_challenge.evaluator.
 protocol.Kind.AUDIT`), after the record has left the rank and before the loop may train on the
-batch; for an audited batch rank 0 then sends the scored module's ``state_dict`` as it stands
-(the weights that scored the batch). After the stream, fresh sandboxed processes rebuild the
+batch; rank 0 keeps a copy of the scored module's ``state_dict`` taken before each scoring
+forward (before any submitted code ran on the batch) until that answer, and sends it for an
+audited batch: the weights that scored the batch, and nothing the forward could have stored in
+them from the batch itself. After the stream, fresh sandboxed processes rebuild the
 model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
 
 **Schedule.** Batch 0 is always audited; every later batch ``k`` is audited when

@@ -47,7 +47,7 @@ from prism_challenge.evaluator.seeding import (
     force_source_imports,
 )
 from prism_challenge.evaluator.staging import Staging
-from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
+from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -56,6 +56,8 @@ ENV_SOCKET = "PRISM_FEEDER_SOCKET"
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter, *((nn.Buffer,) if hasattr(nn, "Buffer") else ()))
+"""The types a scored model's ``state_dict`` entries may have for the audit's snapshot."""
 
 
 class Runtime:
@@ -175,6 +177,7 @@ class Runtime:
             rows, cols = int(header["rows"]), int(header["seq_len"])
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
+            before = self._state_before(model)  # rank 0: the weights as they are before the model sees the batch
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
@@ -189,7 +192,8 @@ class Runtime:
                 (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
                 (Kind.NEXT, request),
             )
-            self._answer_audit(model, step)
+            self._answer_audit(before, step)
+            del before
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -199,20 +203,44 @@ class Runtime:
                 raise
             step += 1
 
-    def _answer_audit(self, model: nn.Module, step: int) -> None:
-        """Read the feeder's answer to the record of batch ``step`` (exactly that frame: the next
-        batch stays in the socket) and, when the batch is audited, send rank 0's snapshot of the
-        scored module's state as it stands: the weights that scored the batch, before the loop
-        trains on it (:mod:`~prism_challenge.evaluator.auditplan`).
+    def _state_before(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Rank 0 of an audited run: a copy of the scored module's ``state_dict`` taken before
+        the scoring forward, so no submitted code has run on the batch yet: a forward that wrote
+        what it read into its own buffers leaves no trace in it. Kept until the feeder's answer
+        (:meth:`_answer_audit`); on the model's device (a copy of the parameters' size).
 
         Raises:
-            protocol.ProtocolError: another frame, or the answer to another batch.
+            ContractError: an entry that is not a plain tensor (a subclass could defer its copy).
+        """
+        if self.rank != 0 or not self.config.get("audit"):
+            return None
+        out = {}
+        for name, value in uncompiled(model).state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if type(value) not in PLAIN_TENSORS:
+                raise self.contract_error(f"state_dict entry {name!r} is a {type(value).__name__}: the scored "
+                                          f"model's state must hold plain tensors")
+            out[name] = value.detach().clone()
+        return out
+
+    def _answer_audit(self, before: dict[str, torch.Tensor] | None, step: int) -> None:
+        """Read the feeder's answer to the record of batch ``step`` (exactly that frame: the next
+        batch stays in the socket) and, when the batch is audited, send rank 0's snapshot of the
+        scored module's state as it stood before the batch was scored (:meth:`_state_before`),
+        before the loop trains on it (:mod:`~prism_challenge.evaluator.auditplan`).
+
+        Raises:
+            protocol.ProtocolError: another frame, the answer to another batch, or an audit
+                where the run has none.
         """
         kind, header = self.reader.recv_exact()
         if kind != Kind.AUDIT or header.get("step") != step:
             raise protocol.ProtocolError(f"expected the audit answer for batch {step}, got {kind.name} {header}")
         if header.get("audit") is True and self.rank == 0:
-            state = cpu_state(model)
+            if before is None:
+                raise protocol.ProtocolError(f"batch {step} is audited in a run without audits")
+            state = {k: v.to("cpu").contiguous() for k, v in before.items()}
             for head, payload in frames(state):
                 protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
             protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
