@@ -200,3 +200,10 @@ def test_a_forward_that_stores_the_batch_in_its_buffers_is_zeroed(tmp_path, hone
     print(f"stash: honest {honest:.4f} bpb, cheating {cheat:.4f} bpb; {audit['mismatch']}")
     assert cheat < honest - 1.0
     assert audit["batches"][0]["match"] and audit["mismatch"].startswith("blind probe of audited batch 0, row ")
+
+
+@pytest.mark.slow
+def test_two_ranks_pass_the_audit_slice_by_slice(tmp_path):
+    outcome = run(tmp_path, EXAMPLE, "two", token_budget=6_000, heldout_bytes=10_000, nproc=2)
+    audit, _ = assert_passes(outcome)
+    assert all(len(b["recorded_nats"]) == 2 for b in audit["batches"])  # each rank's slice re-scored

@@ -231,3 +231,13 @@ def test_the_blind_probe_catches_a_peek_the_snapshot_reproduces(tmp_path):
     assert report.batches[0]["match"] is True
     assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")
     assert isinstance(jobs[0], Job)
+
+
+def test_verify_re_derives_the_bpb_from_the_curve():
+    from prism_challenge.verify import curve_bpb
+
+    # three batches of 10, 10 and 5 targets costing 20, 15 and 4 nats, over 30 bytes
+    curve = {"nats_per_target": [2.0, 1.5, 0.8], "cumulative_targets": [10, 20, 25], "cumulative_bytes": [12, 24, 30]}
+    bpb, nats = curve_bpb(curve)
+    assert nats == [20.0, 15.0, 4.0]
+    assert bpb == pytest.approx(39.0 / math.log(2) / 30, rel=1e-15)

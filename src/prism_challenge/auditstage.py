@@ -67,6 +67,8 @@ def keep_bundle(frozen_root: Path, run_dir: Path) -> Path:
     """Copy the frozen bundle into ``run_dir/bundle`` (for ``prism verify``)."""
     dest = run_dir / BUNDLE_COPY
     shutil.copytree(frozen_root, dest, copy_function=shutil.copyfile)
+    for folder in [dest, *(p for p in dest.rglob("*") if p.is_dir())]:
+        folder.chmod(0o755)  # copytree copied the frozen folders' 0555: the run directory stays removable
     return dest
 
 
