@@ -25,7 +25,7 @@ from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.snapshots import AuditedStep
 from prism_challenge.evaluator.statedict import frames
-from prism_challenge.rescore import probe_batch, run_audit
+from prism_challenge.rescore import BLIND_PASSES, probe_batch, run_audit
 
 from helpers import chunks_of
 from test_feeder import FakeRunner, wait_done
@@ -203,7 +203,7 @@ def test_children_reproduce_an_honest_record_and_name_an_edited_one(tmp_path):
                        timeout_s=120, artifacts_dir=str(tmp_path / "art"))
     assert report.passed, report.mismatch or report.error
     assert report.batches[0]["rescored_nats"] == [pytest.approx(nats, rel=1e-6)]
-    assert report.blind_probes == 3
+    assert report.blind_probes == 3 * BLIND_PASSES
     edited = nats * (1 - 1e-4)
     report = run_audit(_config(root, tmp_path), audits(edited), jail=jail, world_size=1, filler=filler,
                        key=b"k" * 32, timeout_s=120, artifacts_dir=str(tmp_path / "art"))
@@ -222,7 +222,7 @@ def test_the_blind_probe_catches_a_peek_the_snapshot_reproduces(tmp_path):
 
     filler = RNG.integers(0, 257, 500).astype(np.int64)
     a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
-    jobs, paths, _ = plan(a, 1, filler, b"k" * 32)
+    jobs, _, paths, _ = plan(a, 1, filler, b"k" * 32)
     got = run_children(jail, _config(root, tmp_path), jobs, paths, mode="rescore", deadline=time.monotonic() + 120,
                        writable=[str(tmp_path / "art")])
     a[0].recorded[0] = got[0]["nats"]  # the peek is in the weights' behaviour: the re-scoring reproduces it

@@ -5,7 +5,7 @@ the run directory for ``prism verify``:
 * ``bundle/``: a copy of the frozen bundle that ran (its sha256 is the manifest's);
 * ``model/audit/step-<step>.pt``: rank 0's weight snapshot of each audited batch;
 * ``model/audit/step-<step>.npz``: that batch's slices (``tokens_<rank>``), blind-probe batches
-  (``probe_<rank>``) and probed ``(row, k)`` (``picks_<rank>``).
+  (``probe_<rank>_<pass>``) and probed ``(row, k)`` (``picks_<rank>_<pass>``).
 
 The children see ``ctx.artifacts_dir`` at the run's path, as an empty writable folder: the
 loop's own files are moved aside while they run (:func:`empty_artifacts`), so nothing the loop
@@ -75,14 +75,15 @@ def keep_bundle(frozen_root: Path, run_dir: Path) -> Path:
 def write_inputs(run_dir: Path, audits: dict[int, Any], world_size: int, filler: np.ndarray | None,
                  key: bytes) -> None:
     """Write each complete audited step's ``.npz`` (slices, probe batches, picks) beside its snapshot."""
-    jobs, _, _ = plan(audits, world_size, filler, key)
+    jobs, blind, _, _ = plan(audits, world_size, filler, key)
     by_step: dict[int, dict[str, np.ndarray]] = {}
     for j in jobs:
-        arrays = by_step.setdefault(j.step, {})
-        arrays[f"tokens_{j.rank}"] = j.tokens
-        if j.probe is not None:
-            arrays[f"probe_{j.rank}"] = j.probe
-            arrays[f"picks_{j.rank}"] = np.asarray(j.picks, dtype=np.int64).reshape(-1, 2)
+        by_step.setdefault(j.step, {})[f"tokens_{j.rank}"] = j.tokens
+    passes: dict[tuple[int, int], int] = {}
+    for j in blind:
+        p = passes[(j.step, j.rank)] = passes.get((j.step, j.rank), -1) + 1
+        by_step[j.step][f"probe_{j.rank}_{p}"] = j.probe
+        by_step[j.step][f"picks_{j.rank}_{p}"] = np.asarray(j.picks, dtype=np.int64).reshape(-1, 2)
     for step, arrays in by_step.items():
         np.savez(run_dir / AUDIT_DIR / f"step-{step:06d}.npz", **arrays)
 

@@ -46,6 +46,10 @@ import numpy as np
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.heldout import _frame, _pack_batches, _read_frame, _unpack_batches
 
+BLIND_PASSES = 2
+"""Blind probe batches per audited slice, each with its own keyed positions: a model that reads the
+future at a fraction ``q`` of the positions escapes them with probability about
+``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches)."""
 CHILD_STATE_BYTES = 1 << 30
 """Most snapshot bytes one child is sent: more snapshots go to further children."""
 STDERR_TAIL_LINES = 15
@@ -104,12 +108,13 @@ def _draw(key: bytes, label: str) -> int:
     return int.from_bytes(hmac.new(key, label.encode(), hashlib.sha256).digest()[:8], "big")
 
 
-def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, rank: int
+def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, rank: int, npass: int = 0
                 ) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """The blind probe's input for one slice and its ``(row, k)`` picks.
 
     Row ``b`` keeps ``tokens[b, :k_b]`` and continues with ``T - k_b`` consecutive tokens of
-    ``filler`` (held-out text) from a keyed offset; ``1 <= k_b < T`` keyed by ``(step, rank, b)``.
+    ``filler`` (held-out text) from a keyed offset; ``1 <= k_b < T`` keyed by ``(step, rank,
+    npass, b)``.
 
     Raises:
         ValueError: ``filler`` is shorter than ``T``.
@@ -120,8 +125,8 @@ def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, r
     out = np.empty_like(tokens)
     picks = []
     for b in range(rows):
-        k = 1 + _draw(key, f"audit-probe-k:{step}:{rank}:{b}") % (t - 1)
-        off = _draw(key, f"audit-probe-offset:{step}:{rank}:{b}") % (len(filler) - (t - k) + 1)
+        k = 1 + _draw(key, f"audit-probe-k:{step}:{rank}:{npass}:{b}") % (t - 1)
+        off = _draw(key, f"audit-probe-offset:{step}:{rank}:{npass}:{b}") % (len(filler) - (t - k) + 1)
         out[b, :k] = tokens[b, :k]
         out[b, k:] = filler[off : off + t - k]
         picks.append((b, k))
@@ -137,13 +142,15 @@ def inputs_digest(job_tokens: Sequence[np.ndarray]) -> str:
 
 
 def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key: bytes
-         ) -> tuple[list[Job], list[Path], list[str]]:
+         ) -> tuple[list[Job], list[Job], list[Path], list[str]]:
     """The jobs of the audited steps that are complete, their snapshot files, and what is missing.
 
-    Returns ``(jobs, snapshot paths, problems)``: a problem names a step without its snapshot or
-    without a slice or record of every rank (the run is then zeroed).
+    Returns ``(jobs, blind jobs, snapshot paths, problems)``: one re-scoring job per slice (its
+    picks: every pass's), :data:`BLIND_PASSES` blind jobs per slice (``probe`` set; none without
+    ``filler``); a problem names a step without its snapshot or without a slice or record of
+    every rank (the run is then zeroed).
     """
-    jobs, paths, problems = [], [], []
+    jobs, blind, paths, problems = [], [], [], []
     for step in sorted(audits):
         a = audits[step]
         if a.snapshot is None or len(a.pieces) < world_size or len(a.recorded) < world_size:
@@ -152,9 +159,11 @@ def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key
             continue
         paths.append(Path(a.snapshot))
         for r in range(world_size):
-            probe, picks = (None, []) if filler is None else probe_batch(a.pieces[r], filler, key, step, r)
-            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], picks, probe))
-    return jobs, paths, problems
+            passes = [] if filler is None else [probe_batch(a.pieces[r], filler, key, step, r, p)
+                                                for p in range(BLIND_PASSES)]
+            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], [pick for _, picks in passes for pick in picks]))
+            blind += [Job(step, r, len(paths) - 1, a.pieces[r], picks, probe) for probe, picks in passes]
+    return jobs, blind, paths, problems
 
 
 def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
@@ -200,10 +209,10 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
     return results
 
 
-def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, deadline: float,
-             writable: Sequence[str], blind: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The re-scoring children and (``blind``) the blind probe children, side by side (they share
-    nothing; the comparison waits for both): ``(rescored, blind or None)``.
+def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
+             deadline: float, writable: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The re-scoring children over ``jobs`` and the blind probe children over ``blind`` (if any),
+    side by side (they share nothing; the comparison waits for both): ``(rescored, blind or None)``.
 
     Raises:
         AuditError: as :func:`run_children`, the re-scoring's first.
@@ -211,8 +220,8 @@ def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Pat
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="prism-audit") as pool:
-        probe = pool.submit(run_children, jail, config, [j for j in jobs if j.probe is not None], paths,
-                            mode="blind", deadline=deadline, writable=writable) if blind else None
+        probe = pool.submit(run_children, jail, config, blind, paths, mode="blind", deadline=deadline,
+                            writable=writable) if blind else None
         rescored = pool.submit(run_children, jail, config, jobs, paths, mode="rescore", deadline=deadline,
                                writable=writable)
         return rescored.result(), (probe.result() if probe is not None else None)
@@ -266,9 +275,10 @@ def compare_rescore(jobs: list[Job], audits: dict[int, Any], results: list[dict[
                                f"state_dict and the input)")
 
 
-def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind: list[dict[str, Any]], vocab_size: int,
-                  autocast: Any) -> tuple[int, str | None]:
-    """(rows probed, the first failed probe named or ``None``).
+def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind_jobs: list[Job],
+                  blind: list[dict[str, Any]], vocab_size: int, autocast: Any) -> tuple[int, str | None]:
+    """(rows probed, the first failed probe named or ``None``): each blind job's log-probability
+    of the true token against the re-scoring's nats of that ``(row, k)`` of its slice.
 
     Raises:
         AuditError: a malformed reply.
@@ -278,12 +288,18 @@ def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind: list[d
     from prism_challenge.blindprobe import PRECISIONS
     from prism_challenge.evaluator.instrument import PROBE_TOLERANCE_NATS, probe_precision
 
+    refs: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}
+    for job, full in zip(jobs, rescored):
+        picked = full.get("picked")
+        if not isinstance(picked, list) or len(picked) != len(job.picks):
+            raise AuditError("protocol: malformed reply from the re-scoring process")
+        refs[(job.step, job.rank)] = dict(zip(job.picks, picked))
     probed = 0
-    for job, full, seen in zip(jobs, rescored, blind):
-        picked, vectors, name = full.get("picked"), seen.get("logprobs"), seen.get("precision")
-        if not (isinstance(picked, list) and isinstance(vectors, list) and len(picked) == len(vectors) == len(job.picks)
-                and name in PRECISIONS):
+    for job, seen in zip(blind_jobs, blind):
+        vectors, name = seen.get("logprobs"), seen.get("precision")
+        if not (isinstance(vectors, list) and len(vectors) == len(job.picks) and name in PRECISIONS):
             raise AuditError("protocol: malformed reply from the blind probe process")
+        picked = [refs[(job.step, job.rank)][pick] for pick in job.picks]
         tol = PROBE_TOLERANCE_NATS[probe_precision(getattr(torch, name), autocast)]
         for (row, k), ref, enc in zip(job.picks, picked, vectors):
             lp = np.frombuffer(base64.b64decode(enc), dtype=np.float32)
@@ -323,7 +339,7 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
 
     t0 = time.monotonic()
     report = AuditReport(meta=dict(meta or {}))
-    jobs, paths, problems = plan(audits, world_size, filler, key)
+    jobs, blind_jobs, paths, problems = plan(audits, world_size, filler, key)
     if problems:
         report.error = problems[0]
     if not jobs:
@@ -333,12 +349,12 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
     try:
-        rescored, blind = run_both(jail, config, jobs, paths, deadline=deadline, writable=[artifacts_dir],
-                                   blind=filler is not None)
+        rescored, blind = run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(
-                jobs, rescored, blind, int(config["vocab_size"]), autocast_dtype(config.get("scoring_autocast")))
+                jobs, rescored, blind_jobs, blind, int(config["vocab_size"]),
+                autocast_dtype(config.get("scoring_autocast")))
     except AuditError as exc:
         report.error = report.error or str(exc)
     except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable

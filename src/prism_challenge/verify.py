@@ -167,14 +167,17 @@ def _children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[
     except IsolationError as exc:
         raise Mismatch(f"isolation: {exc} (use --isolation none on a machine without a sandbox)") from None
     n = int(manifest["compute"]["world_size"])
-    jobs, paths = [], []
+    jobs, blind_jobs, paths = [], [], []
     for step in sorted(audits):
-        a = audits[step]
+        a, arrays = audits[step], inputs[step]
         paths.append(a.snapshot)
         for r in range(n):
-            arrays = inputs[step]
-            picks = [(int(p[0]), int(p[1])) for p in arrays.get(f"picks_{r}", np.zeros((0, 2), np.int64))]
-            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], picks, arrays.get(f"probe_{r}")))
+            passes = sorted(int(k.rsplit("_", 1)[1]) for k in arrays if k.startswith(f"probe_{r}_"))
+            mine = [Job(step, r, len(paths) - 1, a.pieces[r],
+                        [(int(row), int(k)) for row, k in arrays[f"picks_{r}_{p}"]], arrays[f"probe_{r}_{p}"])
+                    for p in passes]
+            blind_jobs += mine
+            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], [pick for j in mine for pick in j.picks]))
     artifacts = Path(str(audit["context"]["artifacts_dir"]))
     report = AuditReport()
     deadline = time.monotonic() + timeout_s
@@ -182,18 +185,16 @@ def _children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[
         writable = [str(empty)]
         if not artifacts.is_dir():
             config["context"] = {**config["context"], "artifacts_dir": str(empty)}
-        probed = [j for j in jobs if j.probe is not None]
-        rescored, blind = run_both(jail, config, jobs, paths, deadline=deadline, writable=writable, blind=bool(probed))
+        rescored, blind = run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=writable)
     compare_rescore(jobs, audits, rescored, device, n, report)
     if report.mismatch:
         raise Mismatch(report.mismatch)
     if blind is not None:
         autocast = autocast_dtype(config.get("scoring_autocast"))
-        _, failed = compare_blind(probed, [x for j, x in zip(jobs, rescored) if j.probe is not None], blind,
-                                  int(config["vocab_size"]), autocast)
+        _, failed = compare_blind(jobs, rescored, blind_jobs, blind, int(config["vocab_size"]), autocast)
         if failed:
             raise Mismatch(failed)
-    return report, sum(len(j.picks) for j in probed)
+    return report, sum(len(j.picks) for j in blind_jobs)
 
 
 def _cuda() -> bool:
