@@ -241,3 +241,16 @@ def test_verify_re_derives_the_bpb_from_the_curve():
     bpb, nats = curve_bpb(curve)
     assert nats == [20.0, 15.0, 4.0]
     assert bpb == pytest.approx(39.0 / math.log(2) / 30, rel=1e-15)
+
+
+def test_the_children_see_the_artifacts_folder_empty_and_the_loops_files_come_back(tmp_path):
+    from prism_challenge.auditstage import empty_artifacts
+
+    art = tmp_path / "artifacts"
+    art.mkdir()
+    (art / "switch.pt").write_text("the loop's")
+    with empty_artifacts(art) as empty:
+        assert empty == art and list(art.iterdir()) == []
+        (art / "child.txt").write_text("the child's")
+    assert [p.name for p in art.iterdir()] == ["switch.pt"] and (art / "switch.pt").read_text() == "the loop's"
+    assert not (tmp_path / "artifacts.loop").exists()
