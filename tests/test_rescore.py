@@ -135,12 +135,19 @@ def test_probe_rows_keep_their_prefix_and_go_on_with_the_filler():
     tokens = np.arange(40, dtype=np.int64).reshape(4, 10)
     filler = np.arange(1000, 1100, dtype=np.int64)
     probe, picks = probe_batch(tokens, filler, b"k" * 32, step=3, rank=0)
-    assert probe.shape == tokens.shape and [r for r, _ in picks] == [0, 1, 2, 3]
+    assert probe.shape == tokens.shape and [r for r, _ in picks] == [0, 1, 2, 3]  # no k = 9 for these draws
     for row, k in picks:
         assert 1 <= k < 10
         assert probe[row, :k].tolist() == tokens[row, :k].tolist()
         tail = probe[row, k:]
         assert tail.min() >= 1000 and np.all(np.diff(tail) == 1)  # consecutive real text
+    # no kept row holds another probed row's true next token (rows overlap by one token)
+    for row, k in picks:
+        if k == 9 and row + 1 < 4:
+            assert (row + 1) not in [r for r, _ in picks] and probe[row + 1].min() >= 1000
+    short = np.arange(80, dtype=np.int64).reshape(40, 2)  # T = 2: every pick is a last target
+    _, every_other = probe_batch(short, filler, b"k" * 32, step=0, rank=0)
+    assert [r for r, _ in every_other] == list(range(0, 40, 2))
     again, picks2 = probe_batch(tokens, filler, b"k" * 32, step=3, rank=0)
     assert np.array_equal(again, probe) and picks2 == picks
     assert probe_batch(tokens, filler, b"k" * 32, step=4, rank=0)[1] != picks  # another step, other draws

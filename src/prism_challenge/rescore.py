@@ -112,7 +112,9 @@ def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, r
 
     Row ``b`` keeps ``tokens[b, :k_b]`` and continues with ``T - k_b`` consecutive tokens of
     ``filler`` (held-out text) from a keyed offset; ``1 <= k_b < T`` keyed by ``(step, rank,
-    npass, b)``.
+    npass, b)``. Consecutive rows overlap by one token, so a row probed at its last target
+    (``k_b = T - 1``) has its true token as the next row's first: that next row is then filler
+    only, and not probed.
 
     Raises:
         ValueError: ``filler`` is shorter than ``T``.
@@ -121,13 +123,16 @@ def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, r
     if len(filler) < t:
         raise ValueError(f"the held-out text ({len(filler)} tokens) is shorter than a row ({t})")
     out = np.empty_like(tokens)
-    picks = []
+    picks: list[tuple[int, int]] = []
     for b in range(rows):
         k = 1 + _draw(key, f"audit-probe-k:{step}:{rank}:{npass}:{b}") % (t - 1)
+        if picks and picks[-1] == (b - 1, t - 1):
+            k = 0  # the previous row's true last token would be this row's first
         off = _draw(key, f"audit-probe-offset:{step}:{rank}:{npass}:{b}") % (len(filler) - (t - k) + 1)
         out[b, :k] = tokens[b, :k]
         out[b, k:] = filler[off : off + t - k]
-        picks.append((b, k))
+        if k:
+            picks.append((b, k))
     return out, picks
 
 
