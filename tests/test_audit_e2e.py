@@ -55,7 +55,7 @@ def test_the_init_template_passes_the_audit(tmp_path):
     from prism_challenge.scaffold import write_bundle
 
     write_bundle(tmp_path / "seed", tokenizer="bytes")
-    assert_passes(run(tmp_path, tmp_path / "seed", "seed", token_budget=6_000, heldout_bytes=10_000))
+    assert_passes(run(tmp_path, tmp_path / "seed", "run", token_budget=6_000, heldout_bytes=10_000))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,9 @@ def test_the_loops_switch_turned_off_for_the_tail_is_zeroed(tmp_path, honest_run
     cheat = outcome.manifest["score"]["prequential_bpb"]
     print(f"loop switch: honest {honest:.4f} bpb, cheating {cheat:.4f} bpb; {audit['mismatch']}")
     assert cheat < honest - 0.1  # the cheat paid: its records are far below the honest run's
-    assert "memorization" not in verdict["flags"]  # the held-out stage alone would not see it
+    # the weights are the honest run's (the peek is off in training): the held-out stage alone sees the same
+    assert [f for f in verdict["flags"] if f != "audit"] == honest_run.manifest["verdict"]["flags"]
+    assert verdict["heldout"]["val_bpb_trained"] == honest_run.manifest["verdict"]["heldout"]["val_bpb_trained"]
     bad = next(b for b in audit["batches"] if not b["match"])
     assert bad["step"] > 0 and bad["rescored_nats"][0] > bad["recorded_nats"][0]
     assert audit["mismatch"].startswith(f"audited batch {bad['step']}: recorded {bad['recorded_nats'][0]!r} nats, "
