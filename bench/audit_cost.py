@@ -1,13 +1,15 @@
-"""The audit's cost: its share of a scored run's time, and the per-batch round trip it adds.
+"""The audit's cost: its share of a scored run's time, and what it adds to every batch.
 
 * **share**: ``prism eval`` on the example (``examples/tiny-1m``, CPU) at 20k and 200k tokens;
   printed: the run's wall time, the audit's (``audit.wall_s``: the re-scoring and blind-probe
   children, side by side), its share, and the audited batches. Goal (issue 15): at most 10 % at
   200k tokens. With ``--baseline`` each size also runs with ``audited_batches=0``, and the stream
   times are compared (the snapshots rank 0 sends and the feeder writes, and the answers).
-* **round trip**: the time a rank waits, after sending a record, for the feeder's answer
-  (audited or not) before its loop may train: a client process against an in-process feeder,
-  1000 batches of 8 x 1024 tokens, median and 90th percentile in microseconds.
+* **per batch**: rank 0 copies the scored module's ``state_dict`` before every scoring forward
+  (the audit's snapshot, kept until the feeder's answer, which rides in the next frame's header:
+  no round trip); printed: the copy's median time on the example's model. (An earlier design
+  answered each record with a frame of its own before the loop could train: 204 us median,
+  410 us p90 per batch on this 2-core machine, against a client process.)
 
 How the share scales: the audit costs two process starts (interpreter, ``import torch``, the
 bundle; a few seconds, constant) plus, per audited batch, one build and load of the model and
@@ -24,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-1m"
@@ -55,48 +54,36 @@ def share(tokens: int, isolation: str, audited: int | None) -> dict:
                 "batches": m["stream"]["batches"], "passed": audit.get("passed")}
 
 
-def client(path: str, token: str, n: int) -> None:
-    """The rank's side of the round trip (run in a child process)."""
-    from prism_challenge.evaluator import protocol
-    from prism_challenge.evaluator.protocol import Kind
+def copy_cost(repeats: int = 50) -> None:
+    """What rank 0 adds to every batch: the copy of the scored module's ``state_dict`` before the
+    scoring forward (:meth:`prism_challenge.evaluator.runner.Runtime._state_before`), on the
+    example's model, in a child process with the ranks' compute environment (threads, malloc
+    thresholds: a rank reuses the copy's heap memory batch after batch)."""
+    from prism_challenge.evaluator.launcher import compute_env
 
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    protocol.send(sock, Kind.HELLO, {"rank": 0, "local_rank": 0, "world_size": 1, "pid": os.getpid(), "token": token})
-    reader = protocol.FrameReader(sock)
-    reader.recv(0)
-    request = {"batch_size": 8, "seq_len": 1024}
-    protocol.send(sock, Kind.NEXT, request)
-    waits = []
-    for step in range(n):
-        kind, _, _ = reader.recv(1 << 24)
-        if kind != Kind.BATCH:
-            break
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        subprocess.run([sys.executable, __file__, "--copy-cost"], env={**os.environ, **compute_env(2)}, check=True)
+        return
+    from prism_challenge.bundle import load_bundle
+    from prism_challenge.evaluator.interface import PrismContext
+    from prism_challenge.tokenizers import reference_tokenizer
+
+    sys.path.insert(0, str(EXAMPLE))
+    import architecture
+
+    vocab = reference_tokenizer(load_bundle(EXAMPLE).tokenizer).vocab_size
+    model = architecture.build_model(PrismContext(seed=1, vocab_size=vocab, sequence_length=256,
+                                                  max_parameters=10**9))
+    state = model.state_dict()
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    times = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        protocol.send_small(sock, (Kind.RECORD, {"step": step, "nats": 1.0}), (Kind.NEXT, request))
-        kind, header = reader.recv_exact()
-        waits.append(time.perf_counter() - t0)
-        if header.get("audit"):
-            protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": 0})
-    protocol.send(sock, Kind.DONE, {})
-    us = sorted(w * 1e6 for w in waits[50:])
-    print(f"round trip (record sent -> answer read), {len(us)} batches: median {statistics.median(us):.0f} us, "
-          f"p90 {us[int(0.9 * len(us))]:.0f} us")
-
-
-def round_trip(n: int = 1000) -> None:
-    """An in-process feeder serving ``n`` batches to a client process; the client prints."""
-    from prism_challenge.data.stream import TokenChunk
-    from prism_challenge.evaluator.feeder import Feeder
-
-    ids = np.random.default_rng(0).integers(0, 257, 8 * 1023 * (n + 2) + 1)
-    chunks = iter([TokenChunk(ids, np.ones_like(ids))])
-    with tempfile.TemporaryDirectory() as tmp:
-        f = Feeder(str(Path(tmp) / "f.sock"), chunks, {"seed": 1}, vocab_size=257, audit_dir=Path(tmp) / "a",
-                   step_budget=n, probe_key=b"k" * 32, stream_bytes=len(ids))
-        f.start()
-        subprocess.run([sys.executable, __file__, "--client", f.socket_path, f.token, str(n)], check=True)
-        f.finish()
+        copy = {k: v.detach().clone() for k, v in state.items()}
+        times.append(time.perf_counter() - t0)
+        del copy
+    print(f"rank 0's copy of the example's state_dict before each batch ({nbytes / 2**20:.1f} MiB): "
+          f"median {statistics.median(times) * 1e3:.2f} ms")
 
 
 def main() -> None:
@@ -104,13 +91,12 @@ def main() -> None:
     p.add_argument("--sizes", default="20000,200000")
     p.add_argument("--baseline", action="store_true", help="also run each size without the audit")
     p.add_argument("--isolation", default="strict", choices=("strict", "none"))
-    p.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--copy-cost", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.client:
-        client(args.client[0], args.client[1], int(args.client[2]))
+    copy_cost()
+    if args.copy_cost:
         return
-    round_trip()
-    for tokens in (int(s) for s in args.sizes.split(",")):
+    for tokens in (int(s) for s in args.sizes.split(",") if s):
         r = share(tokens, args.isolation, None)
         line = (f"example, {tokens} tokens: run {r['wall']:.1f} s, audit {r['audit']:.1f} s = "
                 f"{100 * r['audit'] / r['wall']:.1f} % of the run ({r['audited']} of {r['batches']} batches audited, "

@@ -1,7 +1,6 @@
 """The audit: its schedule, the feeder's answer and snapshots, and the re-scoring children."""
 import hashlib
 import math
-import socket
 import sys
 import time
 from pathlib import Path
@@ -74,16 +73,6 @@ def test_tolerance_is_relative_and_per_device():
 
 
 # -- the wire ----------------------------------------------------------------------------------
-def test_recv_exact_leaves_the_next_frame_in_the_socket():
-    a, b = socket.socketpair()
-    protocol.send(a, Kind.AUDIT, {"step": 3, "audit": True})
-    protocol.send(a, Kind.BATCH, {"step": 4}, b"x" * 64)
-    reader = protocol.FrameReader(b)
-    assert reader.recv_exact() == (Kind.AUDIT, {"step": 3, "audit": True})
-    assert reader._start == reader._end == 0  # nothing of the batch was read
-    assert len(b.recv(1 << 16, socket.MSG_PEEK)) == len(protocol.encode(Kind.BATCH, {"step": 4})) + 64
-
-
 def audit_feeder(tmp_path, **kw):
     f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(IDS, NBYTES, 100)), {"seed": 1}, vocab_size=257,
                audit_dir=tmp_path / "audit", probe_key=b"s" * 32, **kw)
@@ -95,17 +84,17 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     f = audit_feeder(tmp_path, step_budget=2, audited_batches=1)  # A = 1: batch 0 only
     r = FakeRunner(f)
     b0 = r.next(2, 10)
+    assert r.audits == []  # nothing recorded yet: no answer
     protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
-    kind, header, _ = protocol.recv(r.sock, 0)
-    assert (kind, header) == (Kind.AUDIT, {"step": 0, "audit": True})  # the answer comes before batch 1
+    r.take()  # batch 1 carries the answer to batch 0's record
+    assert r.audits == [[0, True]]
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([3])}
     for head, payload in frames(state):
         protocol.send(r.sock, Kind.SNAPSHOT, {**head, "step": 0}, payload)
     protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 2})
-    r.take()
     r.record(1, 6.0)
     assert r.next(2, 10) is None
-    assert r.audits == [{"step": 1, "audit": False}]
+    assert r.audits == [[0, True], [1, False]]  # the end carries the last answer
     protocol.send(r.sock, Kind.DONE, {})
     assert wait_done(f)
     res = f.finish()
@@ -122,9 +111,8 @@ def test_a_snapshot_for_a_batch_not_audited_fails_the_run(tmp_path):
     r = FakeRunner(f)
     r.next(2, 10)
     protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
-    protocol.recv(r.sock, 0)
-    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 0})
     r.take()
+    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 0})
     r.record(1, 6.0)
     protocol.send(r.sock, Kind.SNAPSHOT, {"step": 1, "name": "w", "dtype": "torch.float32", "shape": [1]}, b"\0" * 4)
     assert f.failed.wait(5)

@@ -1,12 +1,12 @@
 """The audit's schedule: which batches of the stream are re-scored from a snapshot of the weights.
 
 The trusted side (the feeder) decides, batch by batch, whether a batch is **audited**. The rank
-learns it only from the answer to that batch's loss record (:data:`~prism_challenge.evaluator.
-protocol.Kind.AUDIT`), after the record has left the rank and before the loop may train on the
-batch; rank 0 keeps a copy of the scored module's ``state_dict`` taken before each scoring
-forward (before any submitted code ran on the batch) until that answer, and sends it for an
-audited batch: the weights that scored the batch, and nothing the forward could have stored in
-them from the batch itself. After the stream, fresh sandboxed processes rebuild the
+learns it only from the answer to that batch's loss record, which the feeder puts in the header
+of the frame that follows the record (the next BATCH, or END): after the record has left the
+rank. Rank 0 copies the scored module's ``state_dict`` before each scoring forward (before any
+submitted code ran on the batch, so before the loop could train on it) and keeps the copy until
+that answer; for an audited batch it sends it: the weights that scored the batch, and nothing
+the forward could have stored in them from the batch itself. After the stream, fresh sandboxed processes rebuild the
 model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
 
 **Schedule.** Batch 0 is always audited; every later batch ``k`` is audited when

@@ -199,6 +199,7 @@ class RankState:
     left: bool = False  # the loop dropped the stream before its end
     state_bytes: int = 0
     snapshots: SnapshotStore | None = None  # rank 0: the audited batches' snapshots
+    answer: list | None = None  # [step, audited] of the last record, sent with the next BATCH or END
 
 
 @dataclass
@@ -542,15 +543,17 @@ class Feeder:
                 raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
         with self._lock:
             piece = self._piece(st, b, t)
+        answer = {"audited": st.answer} if st.answer is not None else {}
+        st.answer = None
         if piece is None:
             st.end_sent = True
-            self._send(st, Kind.END, {"reason": self.result.stop_reason})
+            self._send(st, Kind.END, {"reason": self.result.stop_reason, **answer})
             return
         tokens, nbytes = piece
         st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
-        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
+        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), **answer}
         probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
@@ -663,8 +666,7 @@ class Feeder:
                     st.snapshots.expect(pending["step"])
                 except StateError as exc:
                     raise ProtocolError(str(exc)) from None
-        # the answer leaves only now that the record arrived, and before the loop may train on the batch
-        self._send(st, Kind.AUDIT, {"step": pending["step"], "audit": audited})
+        st.answer = [pending["step"], audited]  # leaves with the next frame: after the record arrived
         nats, finite = charge(float(nats), pending["targets"], self.vocab_size)
         st.pending = None
         st.taken += 1

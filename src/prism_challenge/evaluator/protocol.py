@@ -26,14 +26,14 @@ class Kind(IntEnum):
     HELLO = 1  # R->F {rank, local_rank, world_size, pid}
     CONFIG = 2  # F->R the run configuration (seed, tokenizer, device, budgets, bundle)
     NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch (sent with the previous RECORD)
-    BATCH = 4  # F->R {step, rows, seq_len} + int64 token ids [rows, seq_len]
-    END = 5  # F->R {reason}: the stream is over for this rank
+    BATCH = 4  # F->R {step, rows, seq_len[, probe][, audited]} + int64 token ids [rows, seq_len]
+    END = 5  # F->R {reason[, audited]}: the stream is over for this rank (audited: [step, bool], the
+    # answer to the previous batch's record)
     RECORD = 6  # R->F {step, nats}: the loss of the batch just scored
     EVENT = 7  # R->F {event, batches}: "end" (the loop read END), "left" (it dropped the stream)
     ERROR = 8  # R->F {stage, message, traceback}
     DONE = 9  # R->F {peak_rss_bytes, state_sha256, ...}: train(ctx) returned
     STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
-    AUDIT = 11  # F->R {step, audit}: the answer to the record of batch `step` (audited or not)
     SNAPSHOT = 12  # R->F {step, name, dtype, shape} + raw bytes: one tensor of an audited batch's state
     SNAPSHOT_END = 13  # R->F {step, tensors}: the audited batch's state is complete
 
@@ -154,18 +154,6 @@ class FrameReader:
             self._start = self._end
             _recv_into(self.sock, memoryview(out)[have:])
         return out
-
-    def recv_exact(self) -> tuple[Kind, dict[str, Any]]:
-        """Receive one payload-less frame reading exactly its bytes, nothing past it: the frame
-        that follows (the next batch) stays in the socket.
-
-        Raises:
-            ProtocolError: as :func:`recv`, or bytes already buffered (a frame read too early).
-        """
-        if self._start != self._end:
-            raise ProtocolError("a frame arrived before the one expected")
-        kind, header, _ = recv(self.sock, max_payload=0)
-        return kind, header
 
     def recv(self, max_payload: int) -> tuple[Kind, dict[str, Any], bytearray]:
         """Receive one frame: (kind, header, payload), as :func:`recv`.

@@ -56,6 +56,7 @@ ENV_SOCKET = "PRISM_FEEDER_SOCKET"
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
+DRAIN_TIMEOUT_S = 60.0  # the feeder's answer to the last record is sent at once; this bounds a lost one
 PLAIN_TENSORS = (torch.Tensor, nn.Parameter, *((nn.Buffer,) if hasattr(nn, "Buffer") else ()))
 """The types a scored model's ``state_dict`` entries may have for the audit's snapshot."""
 
@@ -79,6 +80,7 @@ class Runtime:
         self.models: list[nn.Module] = []
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
+        self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
 
     # -- reporting ---------------------------------------------------------------------------
     def report_error(self, stage: str, message: str, tb: str = "") -> None:
@@ -169,6 +171,8 @@ class Runtime:
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
             kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
+            if kind in (Kind.BATCH, Kind.END):
+                self.answer_audit(header)
             if kind == Kind.END:  # the loop asked past the last batch: tell the feeder it is leaving
                 protocol.send(self.sock, Kind.EVENT, {"event": "end", "batches": step})
                 return
@@ -177,7 +181,7 @@ class Runtime:
             rows, cols = int(header["rows"]), int(header["seq_len"])
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
-            before = self._state_before(model)  # rank 0: the weights as they are before the model sees the batch
+            self.kept = self._state_before(model, step)  # rank 0: the weights before the model sees the batch
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
@@ -192,8 +196,6 @@ class Runtime:
                 (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
                 (Kind.NEXT, request),
             )
-            self._answer_audit(before, step)
-            del before
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -203,47 +205,70 @@ class Runtime:
                 raise
             step += 1
 
-    def _state_before(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Rank 0 of an audited run: a copy of the scored module's ``state_dict`` taken before
-        the scoring forward, so no submitted code has run on the batch yet: a forward that wrote
-        what it read into its own buffers leaves no trace in it. Kept until the feeder's answer
-        (:meth:`_answer_audit`); on the model's device (a copy of the parameters' size).
+    def _state_before(self, model: nn.Module, step: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Rank 0 of an audited run: ``(step, a copy of the scored module's state_dict)`` taken
+        before the scoring forward, so no submitted code has run on the batch yet: a forward that
+        wrote what it read into its own buffers leaves no trace in it. Kept until the feeder's
+        answer (:meth:`answer_audit`); on the model's device (a copy of the parameters' size).
 
         Raises:
             ContractError: an entry that is not a plain tensor (a subclass could defer its copy).
         """
         if self.rank != 0 or not self.config.get("audit"):
             return None
-        out = {}
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[tuple, torch.Tensor] = {}  # a tied tensor (two names, one storage) is copied once
         for name, value in uncompiled(model).state_dict().items():
             if not isinstance(value, torch.Tensor):
                 continue
             if type(value) not in PLAIN_TENSORS:
                 raise self.contract_error(f"state_dict entry {name!r} is a {type(value).__name__}: the scored "
                                           f"model's state must hold plain tensors")
-            out[name] = value.detach().clone()
-        return out
+            view = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(), value.device)
+            if view not in copies:
+                copies[view] = value.detach().clone()
+            out[name] = copies[view]
+        return step, out
 
-    def _answer_audit(self, before: dict[str, torch.Tensor] | None, step: int) -> None:
-        """Read the feeder's answer to the record of batch ``step`` (exactly that frame: the next
-        batch stays in the socket) and, when the batch is audited, send rank 0's snapshot of the
-        scored module's state as it stood before the batch was scored (:meth:`_state_before`),
-        before the loop trains on it (:mod:`~prism_challenge.evaluator.auditplan`).
+    def answer_audit(self, header: dict[str, Any]) -> None:
+        """The feeder's answer to the previous batch's record (``audited``: ``[step, bool]``, in the
+        header of the frame that follows the record: the next BATCH or END, so it leaves the
+        trusted side only once the record arrived). For an audited batch rank 0 sends the copy it
+        kept of the weights before that batch was scored (:meth:`_state_before`); the copy is
+        dropped either way (:mod:`~prism_challenge.evaluator.auditplan`).
 
         Raises:
-            protocol.ProtocolError: another frame, the answer to another batch, or an audit
+            protocol.ProtocolError: an answer to another batch than the kept one, or an audit
                 where the run has none.
         """
-        kind, header = self.reader.recv_exact()
-        if kind != Kind.AUDIT or header.get("step") != step:
-            raise protocol.ProtocolError(f"expected the audit answer for batch {step}, got {kind.name} {header}")
-        if header.get("audit") is True and self.rank == 0:
-            if before is None:
-                raise protocol.ProtocolError(f"batch {step} is audited in a run without audits")
-            state = {k: v.to("cpu").contiguous() for k, v in before.items()}
-            for head, payload in frames(state):
-                protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
-            protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+        answer = header.get("audited")
+        if answer is None:
+            return
+        kept, self.kept = self.kept, None
+        if not (isinstance(answer, list) and len(answer) == 2 and answer[1] is True) or self.rank != 0:
+            return
+        if kept is None or kept[0] != answer[0]:
+            raise protocol.ProtocolError(f"batch {answer[0]} is audited, and its weights were not kept")
+        step, before = kept
+        state = {k: v.to("cpu").contiguous() for k, v in before.items()}
+        for head, payload in frames(state):
+            protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
+        protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+
+    def drain_answer(self) -> None:
+        """After ``train`` returned: a loop that stopped before asking past its last batch left the
+        answer to that batch's record unread, in the frame the feeder sent for the request made
+        with it (the next BATCH, never scored now, or END): read it, and send the kept snapshot
+        when that batch is audited."""
+        if self.kept is None:
+            return
+        self.sock.settimeout(DRAIN_TIMEOUT_S)
+        try:
+            kind, header, _ = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
+        finally:
+            self.sock.settimeout(None)
+        if kind in (Kind.BATCH, Kind.END):
+            self.answer_audit(header)
 
     def _check_determinism(self, step: int) -> None:
         """Fail the run (stage contract) when the loop switched forced determinism or precision
@@ -348,6 +373,11 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
             runtime.report_error("contract", str(exc))
         else:
             runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
+        return 1
+    try:
+        runtime.drain_answer()
+    except (OSError, protocol.ProtocolError) as exc:
+        runtime.report_error("state", f"the audit's last answer: {exc}")
         return 1
     done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
     model = runtime.scored_model
