@@ -63,6 +63,16 @@ def val_filler(data: Any, tokenizer: Any, max_bytes: int = FILLER_BYTES) -> tupl
     return (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)), None
 
 
+def drop_snapshots(run_dir: Path) -> None:
+    """Delete the audit's snapshots of a run that was not scored (and ``model/`` when that leaves
+    it empty)."""
+    shutil.rmtree(run_dir / AUDIT_DIR, ignore_errors=True)
+    try:
+        (run_dir / AUDIT_DIR).parent.rmdir()
+    except OSError:  # absent, or it holds the trained state
+        pass
+
+
 def keep_bundle(frozen_root: Path, run_dir: Path) -> Path:
     """Copy the frozen bundle into ``run_dir/bundle`` (for ``prism verify``)."""
     dest = run_dir / BUNDLE_COPY

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
-from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, empty_artifacts, keep_bundle
+from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, drop_snapshots, empty_artifacts, keep_bundle
 from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
@@ -528,6 +528,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         except ScoringError as exc:
             failure = EvalFailure("scoring", str(exc))
     stream_mark.failed = failure is not None
+    if failure is not None:  # an unscored run keeps no weights: the audit's snapshots go too
+        drop_snapshots(run_dir)
     stream_stage.__exit__(None, None, None)
     state_path = None
     if result.state and failure is None:
