@@ -74,6 +74,7 @@ class FakeRunner:
                                               "pid": 1, "token": feeder.token})
         kind, self.config, _ = protocol.recv(self.sock, 0)
         assert kind == Kind.CONFIG
+        self.audits = []  # the feeder's answers to the records (no audit dir: never audited)
 
     def next(self, b, t):
         protocol.send(self.sock, Kind.NEXT, {"batch_size": b, "seq_len": t})
@@ -82,6 +83,8 @@ class FakeRunner:
     def take(self):
         """Read the frame already asked for (as the runner does after a record sent with NEXT)."""
         kind, header, payload = protocol.recv(self.sock, 1 << 24)
+        if "audited" in header:  # the answer to the previous record
+            self.audits.append(header["audited"])
         if kind == Kind.END:
             protocol.send(self.sock, Kind.EVENT, {"event": "end"})
             return None

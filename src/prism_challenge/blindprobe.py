@@ -3,16 +3,17 @@
 The in-process probe can be answered from a cache by a model that remembers the rows it has just
 scored. So for up to :data:`BLIND_PROBES` held-out rows the trained model's log-probability of a
 token ``k`` is computed twice: in the held-out process, from the batch as it was scored, and in
-a second, fresh process that is only ever shown a batch of the same shape in which that row
-keeps its tokens before ``k`` and has random tokens from ``k`` on, and every other row is random.
+a second, fresh process that is only ever shown a batch of the same shape, of real held-out text
+from elsewhere in the prefix, in which that row keeps its own tokens before ``k``.
 Like with like: both forwards see a ``[B, T]`` batch with the row at the same index, run the same
 kernels, and take the log-probabilities on blocks of the same shapes
 (:func:`~prism_challenge.evaluator.instrument.position_logprobs`), so a causal model gives the
 same value bit for bit; the tolerance (:data:`~prism_challenge.evaluator.instrument.PROBE_TOLERANCE_NATS`
 of the precision the fresh process reports, at least the bundle's ``scoring_autocast``) only absorbs
 kernels that are not exactly causal in floating point. Anything else is
-``HeldoutError("contract: ...")``, which zeroes the run. The random other rows also catch a model
-that reads another row of the batch (consecutive rows are consecutive stretches of the stream).
+``HeldoutError("contract: ...")``, which zeroes the run. The other rows, from another batch, also
+catch a model that reads another row of the batch (consecutive rows are consecutive stretches of
+the stream).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
 
     Up to ``count`` batches spread over the prefix; in each, one row and ``k`` (``1 <= k < T``)
     drawn from a generator seeded by ``seed``. ``probe_batch`` ``[B, T]`` int64 has the batch's
-    shape: row ``row`` keeps its tokens before ``k`` and has random tokens from ``k`` on; every
-    other row is random. The fresh process that scores it can know neither token ``k`` nor any
-    row of the held-out batch beyond that prefix.
+    shape and is **real text**: a copy of another held-out batch of that shape, two batches away
+    at least (so none of its tokens is the probed row's true future, which runs on into the next
+    row and the next batch), whose row ``row`` is replaced, before ``k``, by the probed row's own
+    tokens. The fresh process that scores it can know neither token ``k`` nor any row of the
+    held-out batch beyond that prefix, and cannot tell the probe from text by its tokens. A prefix
+    with no such other batch gets random tokens instead (uniform over ``V``).
     """
     if not batches:
         return []
@@ -52,7 +56,11 @@ def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
         if t < 2:
             continue
         row, k = int(rng.integers(rows)), int(rng.integers(1, t))
-        probe = rng.integers(0, vocab_size, (rows, t)).astype(np.int64)
+        others = [j for j in range(len(batches)) if abs(j - b) > 1 and batches[j].shape == (rows, t)]
+        if others:
+            probe = np.array(batches[others[int(rng.integers(len(others)))]], dtype=np.int64)
+        else:
+            probe = rng.integers(0, vocab_size, (rows, t)).astype(np.int64)
         probe[row, :k] = batches[b][row, :k]
         out.append((b, row, k, probe))
     return out

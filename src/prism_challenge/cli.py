@@ -1,5 +1,5 @@
-"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``serve``, ``submit``,
-``status``, ``keygen``, ``fleet``."""
+"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``verify``, ``serve``,
+``submit``, ``status``, ``keygen``, ``fleet``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.scaffold import add_init_parser
 
     add_init_parser(sub)
+    from prism_challenge.verify import add_verify_parser
+
+    add_verify_parser(sub)
     from prism_challenge.cli_service import add_service_parsers
 
     add_service_parsers(sub)

@@ -211,7 +211,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
 
     from prism_challenge.evaluator.audit import arm
     from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
-    from prism_challenge.evaluator.interface import PrismContext
+    from prism_challenge.evaluator.interface import PrismContext, run_context
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
 
@@ -225,14 +225,16 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     try:
         force_source_imports(config["bundle_root"])  # the source the gates checked, no planted bytecode
         sys.path.insert(0, str(config["bundle_root"]))
-        arm(str(config["bundle_root"]), [], hidden=config.get("hidden", ()))  # every process that imports it, for good
+        values = config.get("context")  # the run's context values (prism eval), else a context of its own
+        writable = [str(values["artifacts_dir"])] if values else []
+        arm(str(config["bundle_root"]), writable, hidden=config.get("hidden", ()))  # every process that imports it, for good
         module, symbol = config["architecture"]
         arch = importlib.import_module(module)
         fn = getattr(arch, symbol, None)
         if not callable(fn):
             raise HeldoutError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
         runtime = _BuildOnly(fn, seed)
-        ctx = PrismContext(
+        ctx = run_context(values, rank=0, device=device, runtime=runtime) if values else PrismContext(
             seed=seed,
             vocab_size=vocab,
             sequence_length=int(config["sequence_length"]),
@@ -413,7 +415,9 @@ def run_heldout(
 
     Args:
         config: see :func:`evaluate_config`, plus ``data_dir``, ``split``, ``max_bytes``,
-            ``batch_size``, ``seq_len``, ``state_path``.
+            ``batch_size``, ``seq_len``, ``state_path``; optionally ``context``, the run's
+            context values (:func:`~prism_challenge.evaluator.interface.run_context`, whose
+            ``artifacts_dir`` must be an empty folder the children may write).
         timeout_s: wall-clock limit of both children together; past it the child's process
             group is killed.
         jail: the run's :class:`~prism_challenge.evaluator.jail.Jail` (sandbox, environment,
@@ -450,7 +454,7 @@ def run_heldout(
     child_config = {k: config[k] for k in ("bundle_root", "architecture", "seed", "vocab_size", "tokenizer",
                                            "sequence_length", "max_parameters")}
     child_config.update({"threads": int(config.get("threads", 1)), "device": str(config.get("device", "cpu")),
-                         "scoring_autocast": config.get("scoring_autocast")})
+                         "scoring_autocast": config.get("scoring_autocast"), "context": config.get("context")})
     if jail is None:
         jail = Jail("none", str(config["bundle_root"]), (str(config["data_dir"]),),
                     dataclasses.replace(HELDOUT_LIMITS, address_space_bytes=memory_bytes), child_config["threads"])
@@ -496,8 +500,9 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
             child's own error.
     """
     payload = _frame(json.dumps(child_config).encode()) + _frame(_pack_batches(batches)) + _frame(state)
+    values = child_config.get("context")
     done = jail.run([sys.executable, "-m", "prism_challenge.heldout", "--stdin"], input=payload,
-                    timeout_s=deadline - time.monotonic())
+                    timeout_s=deadline - time.monotonic(), writable=[str(values["artifacts_dir"])] if values else [])
     if done.timed_out:
         raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s")
     if done.refusal is not None:  # the hook's line, whatever the child printed after it

@@ -25,6 +25,7 @@ from prism_challenge.evaluator.jail import (
     DEFAULT_MAX_OPEN_FILES,
     default_memory_limit,
 )
+from prism_challenge.evaluator.auditplan import AUDITED_BATCHES
 from prism_challenge.evaluator.launcher import MAX_NPROC
 from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
 from prism_challenge.profiles import Profile
@@ -127,6 +128,7 @@ RULES: dict[str, Rule] = {
     "artifacts_quota_bytes": Rule(int, 1, nullable=True),
     "heldout_bytes": Rule(int, 0, MAX_HELDOUT_BYTES),
     "heldout_timeout": Rule(float, None),
+    "audited_batches": Rule(int, 0, 100_000),
 }
 """The range of every numeric field of :class:`EvalOptions` (defined once: the command line's
 argparse types call :func:`check_field` with the same rules)."""
@@ -185,6 +187,10 @@ class EvalOptions:
     ``/dev/shm``), ``max_file_bytes`` per file,
     ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
     Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
+    ``audited_batches``: ``A``, the batches re-scored from weight snapshots on average
+    (:mod:`~prism_challenge.evaluator.auditplan`; ``heldout_timeout`` bounds the audit's
+    children too); 0 turns the audit off (benchmarks only: an unaudited run takes the
+    submission's word for its records).
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
     for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
@@ -229,6 +235,7 @@ class EvalOptions:
     artifacts_quota_bytes: int | None = DEFAULT_ARTIFACTS_QUOTA
     heldout_bytes: int = DEFAULT_HELDOUT_BYTES
     heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
+    audited_batches: int = AUDITED_BATCHES
     policy: Policy = field(default_factory=Policy)
     warm_ranks: bool = True
     profile: Profile | None = None

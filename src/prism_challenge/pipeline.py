@@ -31,12 +31,15 @@ from typing import Any
 import torch
 
 from prism_challenge import __version__
+from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, drop_snapshots, empty_artifacts, keep_bundle
+from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
+from prism_challenge.evaluator.interface import context_values
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
 from prism_challenge.evaluator.jail import Jail, diagnose
@@ -302,7 +305,8 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
                   report.bundle.sha256 if report.bundle is not None else None)
 
 
-def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail) -> _Gated:
+def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail,
+                    context: dict[str, Any] | None = None) -> _Gated:
     """The parameter cap (the last gate) added to ``gated``.
 
     Raises:
@@ -312,7 +316,7 @@ def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _
 
     t0 = time.monotonic()
     found, count = parameter_gate(bundle, vocab_size=vocab_size, seq_len=opts.seq_len,
-                                  max_parameters=opts.max_parameters, jail=jail)
+                                  max_parameters=opts.max_parameters, jail=jail, context=context)
     findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
     if any(f.blocking for f in found):
         raise _refuse(findings, opts)
@@ -405,6 +409,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
+        "audit": opts.audited_batches > 0,  # rank 0 keeps each batch's weights until the feeder's answer
     }
     running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
 
@@ -418,6 +423,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
             bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None))
 
+    key = _probe_key(data.root, bundle, opts.seed)
     feeder = Feeder(
         sock_path,
         chunks,
@@ -431,7 +437,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         on_record=_recorded,
         # the scored model's state: 16 bytes per capped element (float64, a tied tensor twice)
         max_state_bytes=16 * opts.max_parameters + (1 << 20),
-        probe_key=_probe_key(data.root, bundle, opts.seed),
+        probe_key=key,
+        audit_dir=run_dir / AUDIT_DIR,
+        audited_batches=opts.audited_batches,
+        stream_bytes=int(data.split("train").get("utf8_bytes") or 0) or None,
     )
     try:
         sandbox = _sandbox(opts, run_dir, artifacts, data.root, bundle, device)
@@ -464,7 +473,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                     gated = _static_gates(opts, bundle.root)
                     if gated.bundle_sha256 != bundle.sha256:
                         raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail)
+                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail,
+                                        context_values(config, opts.nproc))
             control.check()
         stack = _cuda_stack(cuda_check, sandbox.jail)
     except BaseException:
@@ -518,6 +528,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         except ScoringError as exc:
             failure = EvalFailure("scoring", str(exc))
     stream_mark.failed = failure is not None
+    if failure is not None:  # an unscored run keeps no weights: the audit's snapshots go too
+        drop_snapshots(run_dir)
     stream_stage.__exit__(None, None, None)
     state_path = None
     if result.state and failure is None:
@@ -525,17 +537,27 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         state_path.parent.mkdir(exist_ok=True)
         torch.save(result.state, state_path)
 
-    # 5. held-out evaluation (its own bounded, sandboxed process) and the verdict
+    # 5. the audit and the held-out evaluation (bounded, sandboxed, fresh processes), the verdict
     verdict = None
+    audit = None
     if score is not None and failure is None:
         with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
-            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path)
+            keep_bundle(frozen.root, run_dir)
+            if opts.audited_batches > 0:
+                audit = audit_run(jail=sandbox.jail, config=child_config(
+                    _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
+                    result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
+                    artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
+            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
+                                              context_values(config, opts.nproc))
             verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                     heldout_error=heldout_error, policy=opts.policy)
             if heldout_error is not None and heldout_error.startswith("contract:"):
                 # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                 verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
                                               flags=[*verdict.flags, "heldout_contract"])
+            if audit is not None:
+                verdict = apply_audit(verdict, audit)
             mark.failed = control.cancelled
     if control.cancelled and failure is None:  # cancelled during the held-out stage
         failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
@@ -564,6 +586,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["isolation"] = sandbox.summary()
     manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
+    manifest["audit"] = audit.to_dict() if audit is not None else None
     with control.stage("manifest", check=False):
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
@@ -744,8 +767,10 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
 
 
 def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
-             result: FeederResult, state_path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
-    """The held-out figures, or why there are none."""
+             result: FeederResult, state_path: Path | None,
+             context: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """The held-out figures, or why there are none. ``context``: the run's context values
+    (the children see them, and the artifacts folder empty)."""
     if opts.heldout_bytes <= 0:
         return None, "disabled (--heldout-bytes 0)"
     if "val" not in (data.data.get("splits") or {}):
@@ -762,8 +787,13 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
         "seq_len": seq_len,
         "state_path": str(state_path),
     }
+    if context is not None:
+        config["context"] = context
     try:
-        return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+        if context is None:
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+        with empty_artifacts(Path(str(context["artifacts_dir"]))):
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 

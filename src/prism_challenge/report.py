@@ -82,6 +82,7 @@ def print_summary(console: Console, outcome) -> None:
         ("wall time", f"{m['timing']['wall_s']:.1f} s"),
         ("non-finite batches", str(s["nonfinite_batches"])),
         *_verdict_rows(v),
+        ("audit", _audit(m.get("audit"))),
         ("isolation", _isolation(m.get("isolation"))),
     ]
     for k, val in rows:
@@ -177,6 +178,17 @@ def _verdict_rows(v: dict[str, Any]) -> list[tuple[str, str]]:
     if v.get("flags"):
         rows.append(("flags", ", ".join(v["flags"])))
     return rows
+
+
+def _audit(a) -> str:
+    """The audit's line: what passed, or the first mismatch (or why it could not run)."""
+    if not a:
+        return "-"
+    if a.get("passed"):
+        return (f"passed: {len(a['batches'])} batches re-scored equal to their records, "
+                f"{a['blind_probes']} blind probes" + (f" (probes skipped: {a['probe_skipped']})"
+                                                       if a.get("probe_skipped") else ""))
+    return f"FAILED: {a.get('mismatch') or a.get('error')}"
 
 
 def _isolation(iso) -> str:

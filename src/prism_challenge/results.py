@@ -330,6 +330,36 @@ class Verdict(_Model):
     flags: list[str]
 
 
+class AuditBatch(_Model):
+    """One audited batch: its recorded and re-scored nats, per rank (``null``: not finite)."""
+
+    step: Count
+    snapshot_sha256: Sha256 | None
+    inputs_sha256: Sha256
+    recorded_nats: list[float | None]
+    rescored_nats: list[float | None]
+    match: bool
+
+
+class Audit(_Model):
+    """The audit (:mod:`prism_challenge.rescore`): audited batches re-scored from their weight
+    snapshots in fresh processes, and their blind probes. ``passed`` false zeroes the run."""
+
+    audited_batches_target: Count
+    rate: float | None
+    expected_batches: Count | None
+    rtol: float
+    shape: list[Count] | None
+    context: dict[str, int | str | None]
+    batches: list[AuditBatch]
+    blind_probes: Count
+    probe_skipped: str | None
+    mismatch: str | None
+    error: str | None
+    passed: bool
+    wall_s: Seconds
+
+
 SCORED_SECTIONS = ("gates", "data", "tokenizer", "config", "budgets", "compute", "model", "stream", "score",
                    "curve", "timing", "isolation", "verdict")
 
@@ -362,6 +392,7 @@ class RunManifest(_Model):
     profile: ProfileRecord | None = None
     isolation: Isolation | None = None
     verdict: Verdict | None = None
+    audit: Audit | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RunManifest:

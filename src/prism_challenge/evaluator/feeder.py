@@ -32,14 +32,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from prism_challenge.data.stream import TokenChunk
 from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, audit_draw, audit_rate, expected_batches
 from prism_challenge.evaluator.instrument import charge
 from prism_challenge.evaluator.protocol import Kind, ProtocolError
+from prism_challenge.evaluator.snapshots import AuditedStep, SnapshotStore
 from prism_challenge.evaluator.statedict import StateError, rebuild
 
 LN2 = math.log(2.0)
@@ -195,6 +198,8 @@ class RankState:
     last_active: float = field(default_factory=time.monotonic)
     left: bool = False  # the loop dropped the stream before its end
     state_bytes: int = 0
+    snapshots: SnapshotStore | None = None  # rank 0: the audited batches' snapshots
+    answer: list | None = None  # [step, audited] of the last record, sent with the next BATCH or END
 
 
 @dataclass
@@ -224,6 +229,9 @@ class FeederResult:
     last_record_at: float | None = None
     state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)
     shape: tuple[int, int] | None = None  # (batch_size, seq_len) the loop asked for
+    audits: dict[int, AuditedStep] = field(default_factory=dict)  # the audited steps (auditplan)
+    audit_rate: float | None = None  # the share of batches after the first that are audited
+    audit_expected_batches: int | None = None  # the stream's length the rate was set for
 
 
 class FeederFailure(RuntimeError):
@@ -253,7 +261,12 @@ class Feeder:
         probe_key: secret bytes that fix which batches are probed for causality and how
             (HMAC-SHA256 of the key and the step, the same on every rank): the same run probes the same batches, so a
             loop that notices probes cannot make its score vary between runs; ``None``: the
-            operating system's random source.
+            operating system's random source. It also keys the audit schedule
+            (:mod:`~prism_challenge.evaluator.auditplan`; ``None``: a random key).
+        audit_dir: where rank 0's snapshots of the audited batches are written (``None``: no
+            batch is audited).
+        audited_batches: ``A``, the audited batches on average.
+        stream_bytes: the train split's UTF-8 bytes (bounds the stream's length for the rate).
     """
 
     def __init__(
@@ -271,6 +284,9 @@ class Feeder:
         on_record: Callable[[StepRecord], None] | None = None,
         max_state_bytes: int = 8 << 30,
         probe_key: bytes | None = None,
+        audit_dir: os.PathLike[str] | str | None = None,
+        audited_batches: int = AUDITED_BATCHES,
+        stream_bytes: int | None = None,
     ):
         self.socket_path = socket_path
         self.token = secrets.token_hex(16)
@@ -299,6 +315,11 @@ class Feeder:
         self.wake = threading.Event()  # set on a failure, a DONE or a closed connection: the parent looks now
         self._rng = random.SystemRandom()
         self._probe_key = probe_key
+        self._audit_key = probe_key if probe_key is not None else secrets.token_bytes(32)
+        self.audit_dir = None if audit_dir is None or audited_batches <= 0 else audit_dir
+        self.audited_batches = audited_batches
+        self.stream_bytes = stream_bytes
+        self._token_budget = token_budget
         self._draws: dict[int, tuple[list[float], int]] = {}  # unkeyed: step -> (draw, ranks that took it)
         self._max_seq_len = int(config.get("sequence_length") or 1 << 30)
         self.stopping = threading.Event()  # set by the parent before it kills the tree
@@ -395,6 +416,8 @@ class Feeder:
                     conn.close()
                     return
                 st = self._ranks[rank] = RankState(rank, conn, int(hello.get("pid") or 0))
+                if rank == 0 and self.audit_dir is not None:
+                    st.snapshots = SnapshotStore(Path(self.audit_dir), self.max_state_bytes)
                 if len(self._ranks) == self.world_size:
                     self.result.ready_at = time.monotonic()
             writer = threading.Thread(target=self._write, args=(st,), name="prism-feeder-writer", daemon=True)
@@ -410,7 +433,8 @@ class Feeder:
             while True:
                 # rank 0's state frames: never more than the state bytes it has left (the payload is
                 # allocated before it arrives)
-                limit = min(protocol.MAX_STATE_TENSOR_BYTES, max(self.max_state_bytes - st.state_bytes, 0)) if st.rank == 0 else 0
+                limit = min(protocol.MAX_STATE_TENSOR_BYTES, max(self.max_state_bytes - st.state_bytes,
+                                                                  st.snapshots.room() if st.snapshots else 0, 0)) if st.rank == 0 else 0
                 kind, header, payload = reader.recv(max_payload=limit)
                 st.last_active = time.monotonic()
                 if kind == Kind.NEXT:
@@ -435,6 +459,8 @@ class Feeder:
                             self._check_lockstep()
                 elif kind == Kind.STATE and st.rank == 0:
                     self._on_state(st, header, payload)
+                elif kind in (Kind.SNAPSHOT, Kind.SNAPSHOT_END) and st.snapshots is not None:
+                    self._on_snapshot(st, kind, header, payload)
                 elif kind == Kind.DONE:
                     self._on_done(st, header)
                     return
@@ -517,18 +543,23 @@ class Feeder:
                 raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
         with self._lock:
             piece = self._piece(st, b, t)
+        answer = {"audited": st.answer} if st.answer is not None else {}
+        st.answer = None
         if piece is None:
             st.end_sent = True
-            self._send(st, Kind.END, {"reason": self.result.stop_reason})
+            self._send(st, Kind.END, {"reason": self.result.stop_reason, **answer})
             return
         tokens, nbytes = piece
         st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
-        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
+        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), **answer}
         probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
+        if self._audited(st.step):  # kept by the trusted side: the audit scores this slice again
+            with self._lock:
+                self.result.audits.setdefault(st.step, AuditedStep(st.step)).pieces[st.rank] = tokens.copy()
         self._send(st, Kind.BATCH, header, memoryview(tokens).cast("B"))
         st.step += 1
 
@@ -601,7 +632,21 @@ class Feeder:
             return None
         self._consumed[step] = self.assembler.tokens_consumed
         self._bytes_cut += int(cut.target_bytes.sum())
+        if step == 0 and self.audit_dir is not None:
+            r.audit_expected_batches = expected_batches(
+                rows_per_step=n * b, seq_len=t, step_budget=self.step_budget, token_budget=self._token_budget,
+                byte_budget=self.byte_budget, first_step_bytes=int(cut.target_bytes.sum()),
+                stream_bytes=self.stream_bytes)
+            r.audit_rate = audit_rate(r.audit_expected_batches, self.audited_batches)
         return cut
+
+    def _audited(self, step: int) -> bool:
+        """Whether ``step`` is audited (:mod:`~prism_challenge.evaluator.auditplan`): step 0 always,
+        later steps when their keyed draw is below the rate set at step 0."""
+        rate = self.result.audit_rate
+        if self.audit_dir is None or rate is None:
+            return False
+        return step == 0 or audit_draw(self._audit_key, step) < rate
 
     def _on_record(self, st: RankState, header: dict[str, Any]) -> None:
         pending = st.pending
@@ -612,6 +657,16 @@ class Feeder:
             nats = math.nan  # missing or not a number: charged as non-finite
         if nats < 0:
             raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
+        audited = self._audited(pending["step"])
+        if audited:
+            with self._lock:
+                self.result.audits[pending["step"]].recorded[st.rank] = float(nats) if math.isfinite(nats) else None
+            if st.snapshots is not None:
+                try:
+                    st.snapshots.expect(pending["step"])
+                except StateError as exc:
+                    raise ProtocolError(str(exc)) from None
+        st.answer = [pending["step"], audited]  # leaves with the next frame: after the record arrived
         nats, finite = charge(float(nats), pending["targets"], self.vocab_size)
         st.pending = None
         st.taken += 1
@@ -645,6 +700,22 @@ class Feeder:
         if name in self.result.state:
             raise ProtocolError(f"state tensor {name!r} sent twice")
         self.result.state[name] = tensor
+
+    def _on_snapshot(self, st: RankState, kind: Kind, header: dict[str, Any], payload: bytearray) -> None:
+        store = st.snapshots
+        assert store is not None
+        try:
+            if kind == Kind.SNAPSHOT:
+                store.add(header, payload)
+                return
+            step = store.expected
+            with self._lock:
+                audited = self.result.audits.get(step) if step is not None else None
+            if audited is None:
+                raise StateError(f"a snapshot's end for batch {header.get('step')!r}, which was not audited")
+            store.end(header, audited)
+        except StateError as exc:
+            raise ProtocolError(str(exc)) from None
 
     def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
         with self._lock:

@@ -144,3 +144,34 @@ class PrismContext:
         return self._runtime.iter_train_batches(
             self, model, batch_size, self.sequence_length if seq_len is None else seq_len, tokenizer
         )
+
+
+CONTEXT_FIELDS = ("seed", "vocab_size", "sequence_length", "max_parameters", "world_size", "artifacts_dir",
+                  "token_budget", "step_budget", "tokenizer_name")
+"""The :class:`PrismContext` fields every process that runs the submission gets from the run's
+configuration (the ranks and the audit's children alike); ``rank``, ``local_rank``, ``device``
+and the runtime are the process's own."""
+
+
+def run_context(values: dict[str, Any], *, rank: int, device: str, runtime: _Runtime) -> PrismContext:
+    """The run's :class:`PrismContext` for ``rank`` (one node: ``local_rank == rank``), from the
+    :data:`CONTEXT_FIELDS` of ``values``.
+
+    Raises:
+        KeyError: a field is missing.
+    """
+    kw = {name: values[name] for name in CONTEXT_FIELDS}
+    for name in ("seed", "vocab_size", "sequence_length", "max_parameters", "world_size"):
+        kw[name] = int(kw[name])
+    kw["artifacts_dir"] = str(kw["artifacts_dir"])
+    kw["tokenizer_name"] = str(kw["tokenizer_name"])
+    return PrismContext(**kw, rank=rank, local_rank=rank, device=device, _runtime=runtime)
+
+
+def context_values(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The :data:`CONTEXT_FIELDS` of a run configuration (the feeder's CONFIG: ``tokenizer`` is
+    the tokenizer's name, absent budgets are ``None``)."""
+    return {"seed": config["seed"], "vocab_size": config["vocab_size"], "sequence_length": config["sequence_length"],
+            "max_parameters": config["max_parameters"], "world_size": world_size,
+            "artifacts_dir": config["artifacts_dir"], "token_budget": config.get("token_budget"),
+            "step_budget": config.get("step_budget"), "tokenizer_name": config["tokenizer"]}

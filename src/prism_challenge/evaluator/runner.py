@@ -17,6 +17,7 @@ this process before the loop asks for it, after the current batch's record has l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -36,7 +37,7 @@ from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, score_batch
-from prism_challenge.evaluator.interface import Batch, PrismContext
+from prism_challenge.evaluator.interface import Batch, PrismContext, context_values, run_context
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import (
     determinism_change,
@@ -46,7 +47,7 @@ from prism_challenge.evaluator.seeding import (
     force_source_imports,
 )
 from prism_challenge.evaluator.staging import Staging
-from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest
+from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -55,13 +56,17 @@ ENV_SOCKET = "PRISM_FEEDER_SOCKET"
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
+DRAIN_TIMEOUT_S = 60.0  # the feeder's answer to the last record is sent at once; this bounds a lost one
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter, *((nn.Buffer,) if hasattr(nn, "Buffer") else ()))
+"""The types a scored model's ``state_dict`` entries may have for the audit's snapshot."""
 
 
 class Runtime:
     """The runner's side of ``PrismContext``: model building and the instrumented stream."""
 
-    def __init__(self, reader: protocol.FrameReader, config: dict[str, Any]):
+    def __init__(self, reader: protocol.FrameReader, config: dict[str, Any], rank: int = 0):
         self.sock = reader.sock
+        self.rank = rank
         self.reader = reader
         self.config = config
         self.vocab_size = int(config["vocab_size"])
@@ -75,6 +80,7 @@ class Runtime:
         self.models: list[nn.Module] = []
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
+        self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
 
     # -- reporting ---------------------------------------------------------------------------
     def report_error(self, stage: str, message: str, tb: str = "") -> None:
@@ -165,6 +171,8 @@ class Runtime:
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
             kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
+            if kind in (Kind.BATCH, Kind.END):
+                self.answer_audit(header)
             if kind == Kind.END:  # the loop asked past the last batch: tell the feeder it is leaving
                 protocol.send(self.sock, Kind.EVENT, {"event": "end", "batches": step})
                 return
@@ -173,6 +181,7 @@ class Runtime:
             rows, cols = int(header["rows"]), int(header["seq_len"])
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
+            self.kept = self._state_before(model, step)  # rank 0: the weights before the model sees the batch
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
@@ -195,6 +204,71 @@ class Runtime:
                 protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
                 raise
             step += 1
+
+    def _state_before(self, model: nn.Module, step: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Rank 0 of an audited run: ``(step, a copy of the scored module's state_dict)`` taken
+        before the scoring forward, so no submitted code has run on the batch yet: a forward that
+        wrote what it read into its own buffers leaves no trace in it. Kept until the feeder's
+        answer (:meth:`answer_audit`); on the model's device (a copy of the parameters' size).
+
+        Raises:
+            ContractError: an entry that is not a plain tensor (a subclass could defer its copy).
+        """
+        if self.rank != 0 or not self.config.get("audit"):
+            return None
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[tuple, torch.Tensor] = {}  # a tied tensor (two names, one storage) is copied once
+        for name, value in uncompiled(model).state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if type(value) not in PLAIN_TENSORS:
+                raise self.contract_error(f"state_dict entry {name!r} is a {type(value).__name__}: the scored "
+                                          f"model's state must hold plain tensors")
+            view = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(), value.device)
+            if view not in copies:
+                copies[view] = value.detach().clone()
+            out[name] = copies[view]
+        return step, out
+
+    def answer_audit(self, header: dict[str, Any]) -> None:
+        """The feeder's answer to the previous batch's record (``audited``: ``[step, bool]``, in the
+        header of the frame that follows the record: the next BATCH or END, so it leaves the
+        trusted side only once the record arrived). For an audited batch rank 0 sends the copy it
+        kept of the weights before that batch was scored (:meth:`_state_before`); the copy is
+        dropped either way (:mod:`~prism_challenge.evaluator.auditplan`).
+
+        Raises:
+            protocol.ProtocolError: an answer to another batch than the kept one, or an audit
+                where the run has none.
+        """
+        answer = header.get("audited")
+        if answer is None:
+            return
+        kept, self.kept = self.kept, None
+        if not (isinstance(answer, list) and len(answer) == 2 and answer[1] is True) or self.rank != 0:
+            return
+        if kept is None or kept[0] != answer[0]:
+            raise protocol.ProtocolError(f"batch {answer[0]} is audited, and its weights were not kept")
+        step, before = kept
+        state = {k: v.to("cpu").contiguous() for k, v in before.items()}
+        for head, payload in frames(state):
+            protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
+        protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+
+    def drain_answer(self) -> None:
+        """After ``train`` returned: a loop that stopped before asking past its last batch left the
+        answer to that batch's record unread, in the frame the feeder sent for the request made
+        with it (the next BATCH, never scored now, or END): read it, and send the kept snapshot
+        when that batch is audited."""
+        if self.kept is None:
+            return
+        self.sock.settimeout(DRAIN_TIMEOUT_S)
+        try:
+            kind, header, _ = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
+        finally:
+            self.sock.settimeout(None)
+        if kind in (Kind.BATCH, Kind.END):
+            self.answer_audit(header)
 
     def _check_determinism(self, step: int) -> None:
         """Fail the run (stage contract) when the loop switched forced determinism or precision
@@ -286,24 +360,12 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
     config["device"] = device
     force_determinism(int(config["seed"]), int(config["threads"]))
     arm(str(config["bundle_root"]), [str(config["artifacts_dir"])], hidden=config.get("hidden", ()))  # for good
-    runtime = Runtime(reader, config)
+    runtime = Runtime(reader, config, rank)
     try:
         train = _import_bundle(runtime, config)
-        ctx = PrismContext(
-            seed=int(config["seed"]),
-            vocab_size=int(config["vocab_size"]),
-            sequence_length=int(config["sequence_length"]),
-            max_parameters=int(config["max_parameters"]),
-            device=device,
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            artifacts_dir=str(config["artifacts_dir"]),
-            token_budget=config.get("token_budget"),
-            step_budget=config.get("step_budget"),
-            tokenizer_name=runtime.tokenizer_name,
-            _runtime=runtime,
-        )
+        ctx = run_context(context_values(config, world_size), rank=rank, device=device, runtime=runtime)
+        if local_rank != rank:
+            ctx = dataclasses.replace(ctx, local_rank=local_rank)
         runtime.stage = "train"
         train(ctx)
     except BaseException as exc:  # noqa: BLE001 - everything the submission raises is reported
@@ -311,6 +373,11 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
             runtime.report_error("contract", str(exc))
         else:
             runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
+        return 1
+    try:
+        runtime.drain_answer()
+    except (OSError, protocol.ProtocolError) as exc:
+        runtime.report_error("state", f"the audit's last answer: {exc}")
         return 1
     done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
     model = runtime.scored_model

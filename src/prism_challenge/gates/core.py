@@ -272,6 +272,7 @@ def parameter_gate(
     jail: Jail | None = None,
     isolation: str = "strict",
     tree: ast.Module | None = None,
+    context: dict | None = None,
 ) -> tuple[list[Finding], int | None]:
     """The parameter cap: build the model in the bounded child and count what it holds.
 
@@ -282,6 +283,8 @@ def parameter_gate(
     ``jail``: where the child runs (the run's jail in ``prism eval``); default one of
     ``isolation`` with ``memory_bytes`` (:func:`~prism_challenge.gates.param_count.check_jail`).
     A child the audit hook stopped is a ``prism:audit`` finding that names the event.
+    ``context``: the run's context values (``prism eval``; see
+    :func:`~prism_challenge.gates.param_count.measure_parameters`).
 
     Raises:
         RuntimeError: the harness could not run the child.
@@ -300,6 +303,7 @@ def parameter_gate(
         tokenizer=bundle.tokenizer,
         timeout_s=timeout_s,
         jail=jail or check_jail(bundle.root, isolation, memory_bytes=memory_bytes),
+        context=context,
     )
     if tree is None:
         try:

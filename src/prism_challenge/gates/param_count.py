@@ -329,14 +329,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         from prism_challenge.evaluator.audit import arm
-        from prism_challenge.evaluator.interface import PrismContext
+        from prism_challenge.evaluator.interface import PrismContext, run_context
         from prism_challenge.evaluator.seeding import force_seeds, force_source_imports
 
         force_source_imports(root)  # the source the gates read, never bytecode planted beside it
         sys.path.insert(0, str(root))
         arm(str(root), [args.artifacts_dir], hidden=json.loads(args.hidden))  # before the bundle's first line, for good
 
-        ctx = PrismContext(
+        ctx = run_context(json.loads(args.context), rank=0, device="cpu", runtime=None) if args.context else PrismContext(
             seed=args.seed,
             vocab_size=args.vocab_size,
             sequence_length=args.seq_len,
@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--max-parameters", type=int, required=True)
     parser.add_argument("--artifacts-dir", required=True)
+    parser.add_argument("--context", default=None)
     parser.add_argument("--tokenizer", default="gpt2")
     parser.add_argument("--seed", type=int, default=PARAM_COUNT_SEED)
     parser.add_argument("--hidden", default="[]", help="JSON list of paths the audit hook refuses")
@@ -483,6 +484,7 @@ def measure_parameters(
     tokenizer: str = "gpt2",
     timeout_s: float = 60.0,
     jail: Jail | None = None,
+    context: dict[str, Any] | None = None,
 ) -> ParamResult:
     """Build the bundle's model in a jailed child and count its parameters.
 
@@ -494,6 +496,9 @@ def measure_parameters(
         jail: the :class:`~prism_challenge.evaluator.jail.Jail` every process that runs
             submitted code starts in (sandbox, environment, limits); default: a strict jail
             of its own (:func:`check_jail`).
+        context: the run's context values (:data:`~prism_challenge.evaluator.interface.CONTEXT_FIELDS`,
+            ``prism eval``): the child's ``PrismContext`` then has them, and its artifacts
+            folder is the run's (still empty); default: a context of its own in a temporary folder.
 
     Returns:
         the child's report; never raises for bundle failures (they are ``kind``/``error``:
@@ -507,8 +512,8 @@ def measure_parameters(
     jail = jail or check_jail(Path(root))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prism-params-") as work:
-        artifacts = Path(work) / "artifacts"
-        artifacts.mkdir()
+        artifacts = Path(work) / "artifacts" if context is None else Path(str(context["artifacts_dir"]))
+        artifacts.mkdir(exist_ok=context is not None)
         cmd = [
             sys.executable,
             "-s",
@@ -523,7 +528,7 @@ def measure_parameters(
             "--artifacts-dir", str(artifacts),
             "--tokenizer", tokenizer,
             "--hidden", json.dumps(list(jail.hidden)),
-        ]  # fmt: skip
+        ] + ([] if context is None else ["--context", json.dumps(context)])  # fmt: skip
         try:
             done = jail.run(cmd, timeout_s=timeout_s, writable=[artifacts], cwd=artifacts)
         except OSError as exc:

@@ -1,0 +1,111 @@
+"""The audit's cost: its share of a scored run's time, and what it adds to every batch.
+
+* **share**: ``prism eval`` on the example (``examples/tiny-1m``, CPU) at 20k and 200k tokens;
+  printed: the run's wall time, the audit's (``audit.wall_s``: the re-scoring and blind-probe
+  children, side by side), its share, and the audited batches. Goal (issue 15): at most 10 % at
+  200k tokens. With ``--baseline`` each size also runs with ``audited_batches=0``, and the stream
+  times are compared (the snapshots rank 0 sends and the feeder writes, and the answers).
+* **per batch**: rank 0 copies the scored module's ``state_dict`` before every scoring forward
+  (the audit's snapshot, kept until the feeder's answer, which rides in the next frame's header:
+  no round trip); printed: the copy's median time on the example's model. (An earlier design
+  answered each record with a frame of its own before the loop could train: 204 us median,
+  410 us p90 per batch on this 2-core machine, against a client process.)
+
+How the share scales: the audit costs two process starts (interpreter, ``import torch``, the
+bundle; a few seconds, constant) plus, per audited batch, one build and load of the model and
+one scoring forward in each child (the two children run at once). The stream costs per batch one
+scoring forward and the loop's training step. So at ``N`` batches the share falls as
+``(start + A * forward) / (N * step)``: linear in ``A``, inversely in ``N``; model size scales
+both the forward and the step, so it leaves the share nearly unchanged (a larger model makes
+the constant start matter less). Snapshots add ``A * 4 * parameters`` bytes sent and written.
+
+Usage: ``python bench/audit_cost.py [--sizes 20000,200000] [--baseline] [--isolation none]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny-1m"
+
+
+def share(tokens: int, isolation: str, audited: int | None) -> dict:
+    """One scored run of the example: wall, stream and audit seconds."""
+    from prism_challenge.pipeline import EvalOptions, evaluate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = {} if audited is None else {"audited_batches": audited}
+        out = evaluate(EvalOptions(bundle=str(EXAMPLE), token_budget=tokens, device="cpu", isolation=isolation,
+                                   out_dir=str(Path(tmp) / "run"), **kw))
+        if out.failure is not None:
+            raise SystemExit(f"the run failed: {out.failure}")
+        m = out.manifest
+        audit = m.get("audit") or {}
+        return {"wall": m["timing"]["wall_s"], "stream": m["timing"]["release_to_last_record_s"],
+                "audit": audit.get("wall_s", 0.0), "audited": len(audit.get("batches", [])),
+                "batches": m["stream"]["batches"], "passed": audit.get("passed")}
+
+
+def copy_cost(repeats: int = 50) -> None:
+    """What rank 0 adds to every batch: the copy of the scored module's ``state_dict`` before the
+    scoring forward (:meth:`prism_challenge.evaluator.runner.Runtime._state_before`), on the
+    example's model, in a child process with the ranks' compute environment (threads, malloc
+    thresholds: a rank reuses the copy's heap memory batch after batch)."""
+    from prism_challenge.evaluator.launcher import compute_env
+
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        subprocess.run([sys.executable, __file__, "--copy-cost"], env={**os.environ, **compute_env(2)}, check=True)
+        return
+    from prism_challenge.bundle import load_bundle
+    from prism_challenge.evaluator.interface import PrismContext
+    from prism_challenge.tokenizers import reference_tokenizer
+
+    sys.path.insert(0, str(EXAMPLE))
+    import architecture
+
+    vocab = reference_tokenizer(load_bundle(EXAMPLE).tokenizer).vocab_size
+    model = architecture.build_model(PrismContext(seed=1, vocab_size=vocab, sequence_length=256,
+                                                  max_parameters=10**9))
+    state = model.state_dict()
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy = {k: v.detach().clone() for k, v in state.items()}
+        times.append(time.perf_counter() - t0)
+        del copy
+    print(f"rank 0's copy of the example's state_dict before each batch ({nbytes / 2**20:.1f} MiB): "
+          f"median {statistics.median(times) * 1e3:.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="20000,200000")
+    p.add_argument("--baseline", action="store_true", help="also run each size without the audit")
+    p.add_argument("--isolation", default="strict", choices=("strict", "none"))
+    p.add_argument("--copy-cost", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    copy_cost()
+    if args.copy_cost:
+        return
+    for tokens in (int(s) for s in args.sizes.split(",") if s):
+        r = share(tokens, args.isolation, None)
+        line = (f"example, {tokens} tokens: run {r['wall']:.1f} s, audit {r['audit']:.1f} s = "
+                f"{100 * r['audit'] / r['wall']:.1f} % of the run ({r['audited']} of {r['batches']} batches audited, "
+                f"passed {r['passed']})")
+        if args.baseline:
+            b = share(tokens, args.isolation, 0)
+            line += f"; stream {r['stream']:.1f} s vs {b['stream']:.1f} s unaudited ({r['stream'] / b['stream']:.3f}x)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The audit's schedule: which batches of the stream are re-scored from a snapshot of the weights.
+
+The trusted side (the feeder) decides, batch by batch, whether a batch is **audited**. The rank
+learns it only from the answer to that batch's loss record, which the feeder puts in the header
+of the frame that follows the record (the next BATCH, or END): after the record has left the
+rank. Rank 0 copies the scored module's ``state_dict`` before each scoring forward (before any
+submitted code ran on the batch, so before the loop could train on it) and keeps the copy until
+that answer; for an audited batch it sends it: the weights that scored the batch, and nothing
+the forward could have stored in them from the batch itself. After the stream, fresh sandboxed processes rebuild the
+model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
+
+**Schedule.** Batch 0 is always audited; every later batch ``k`` is audited when
+``u_k < rate``, with ``u_k = HMAC-SHA256(key, "audit:k")`` read as a number in ``[0, 1)`` (the
+key is the run's secret probe key, never shown to the sandbox). The rate is fixed once, when the
+first batch is cut, from the number of batches the budgets let the stream have
+(:func:`expected_batches`): ``rate = min(1, (A - 1) / (N - 1))`` for ``A =``
+:data:`AUDITED_BATCHES`, so a run of ``N`` batches audits ``A`` of them on average (``1 +
+Binomial(N - 1, rate)``). The stream runs on at the same rate past the estimate; a stream cut
+short (a wall-clock budget) audits fewer.
+
+**Why A.** A cheat active on a fraction ``f`` of the batches escapes when no audited batch is one
+of them: drawn independently at the rate, ``P(escape) = (1 - rate)^(f N) ~ exp(-f (A - 1))``,
+close to the familiar ``1 - (1 - f)^A`` catch probability of ``A`` draws
+(:func:`catch_probability`); batch 0 is audited besides, so a cheat active from the first batch
+is always caught. At ``A = 24``: ``f = 1/2`` is caught with probability ``1 - 2^-24``, ``f =
+1/4`` with 0.999, ``f = 1/10`` with 0.92. A cheat that gains on a tenth of the batches gains a
+tenth as much.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+
+AUDITED_BATCHES = 24
+"""``A``: the audited batches of a run, on average (batch 0 among them)."""
+
+RESCORE_RTOL: dict[str, float] = {"cpu": 1e-6, "cuda": 1e-5}
+"""The re-scoring's tolerance by device type, relative, on a batch's total nats: a record passes
+when ``|recorded - rescored| <= rtol * |rescored|`` (equal values always pass). The fresh process
+runs the same kernels on the same shapes with the same forced thread count and deterministic
+algorithms, so an eager model matches to the last bit (the example does, on CPU); the margin only
+absorbs a loop that scores a ``torch.compile``'d wrapper of the module (fused kernels round
+differently from the eager ones the audit runs). On CUDA, cuBLAS and the fused attention kernels
+are run-to-run deterministic under the forced flags, but a compiled wrapper's Triton kernels are
+not bitwise those of eager mode: ``1e-5``. Either bounds what a record could gain unnoticed to
+``rtol`` of its loss."""
+
+
+def audit_draw(key: bytes, step: int) -> float:
+    """``HMAC-SHA256(key, "audit:<step>")``'s first 8 bytes as a number in ``[0, 1)``."""
+    digest = hmac.new(key, f"audit:{step}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def audit_rate(expected: int | None, audited: int = AUDITED_BATCHES) -> float:
+    """The share of batches after the first that are audited: ``min(1, (A - 1) / (N - 1))`` for
+    ``N = expected`` batches; 1.0 when ``N`` is unknown (``None``) or at most 1."""
+    if expected is None or expected <= 1:
+        return 1.0
+    return min(1.0, max(0, audited - 1) / (expected - 1))
+
+
+def expected_batches(*, rows_per_step: int, seq_len: int, step_budget: int | None, token_budget: int | None,
+                     byte_budget: int | None, first_step_bytes: int, stream_bytes: int | None) -> int | None:
+    """How many batches the stream can have, from the budgets (the smallest bound; ``None``: none).
+
+    ``token_budget`` stream tokens make ``ceil((budget - 1) / (rows * (T - 1)))`` batches (rows
+    overlap by one token); ``byte_budget`` and ``stream_bytes`` (the train split's UTF-8 bytes)
+    are divided by the target bytes of the first batch (an estimate: text density varies).
+    """
+    bounds = []
+    if step_budget is not None:
+        bounds.append(step_budget)
+    per_step = rows_per_step * (seq_len - 1)
+    if token_budget is not None and per_step > 0:
+        bounds.append(math.ceil(max(token_budget - 1, 1) / per_step))
+    for total in (byte_budget, stream_bytes):
+        if total is not None and first_step_bytes > 0:
+            bounds.append(math.ceil(total / first_step_bytes))
+    return max(1, min(bounds)) if bounds else None
+
+
+def catch_probability(f: float, audited: int = AUDITED_BATCHES) -> float:
+    """``1 - (1 - f)^A``: the chance that ``A`` independently audited batches include one of a
+    cheat active on a fraction ``f`` of the batches."""
+    return 1.0 - (1.0 - f) ** audited
+
+
+def within(recorded: float | None, rescored: float | None, device: str) -> bool:
+    """Whether a recorded batch loss (nats; ``None``: not finite) is reproduced by its re-scoring
+    within :data:`RESCORE_RTOL` of ``device``'s type."""
+    if recorded is None or rescored is None or not (math.isfinite(recorded) and math.isfinite(rescored)):
+        fin = lambda v: v is not None and math.isfinite(v)  # noqa: E731
+        return not fin(recorded) and not fin(rescored)
+    if recorded == rescored:
+        return True
+    rtol = RESCORE_RTOL["cuda" if device.startswith("cuda") else "cpu"]
+    return abs(recorded - rescored) <= rtol * abs(rescored)

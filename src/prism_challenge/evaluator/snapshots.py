@@ -1,0 +1,115 @@
+"""The trusted side's record of the audited batches (:mod:`~prism_challenge.evaluator.auditplan`).
+
+For each audited step the feeder keeps every rank's slice of the batch (token ids ``[B, T]``),
+the nats each rank recorded for it, and rank 0's snapshot of the scored module's ``state_dict``
+as it stood when the batch was scored. The snapshot arrives as SNAPSHOT frames (the raw-tensor
+format of :mod:`~prism_challenge.evaluator.statedict`, never pickled) and is written with
+``torch.save`` to ``<audit dir>/step-<step>.pt``; its sha256 is the sha256 of that file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prism_challenge.evaluator.statedict import StateError, rebuild
+
+
+def snapshot_name(step: int) -> str:
+    """The snapshot file's name for ``step``."""
+    return f"step-{step:06d}.pt"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class AuditedStep:
+    """One audited step.
+
+    Attributes:
+        step: the step (global batch index).
+        pieces: rank -> that rank's slice ``[B, T]`` int64 as it was served.
+        recorded: rank -> the nats that rank recorded (``None``: not finite).
+        snapshot: the snapshot file, once complete.
+        sha256: the snapshot file's sha256.
+    """
+
+    step: int
+    pieces: dict[int, np.ndarray] = field(default_factory=dict)
+    recorded: dict[int, float | None] = field(default_factory=dict)
+    snapshot: Path | None = None
+    sha256: str | None = None
+
+
+class SnapshotStore:
+    """Assembles the SNAPSHOT frames of one rank (rank 0) into files, one audited step at a time.
+
+    Args:
+        directory: where the files go (created on first use).
+        max_bytes: most bytes of one snapshot's tensors.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = Path(directory), max_bytes
+        self.expected: int | None = None  # the step whose snapshot is due (rank 0 was told it is audited)
+        self._tensors: dict[str, Any] = {}
+        self._bytes = 0
+
+    def expect(self, step: int) -> None:
+        """Rank 0 was told that ``step`` is audited: its snapshot comes next.
+
+        Raises:
+            StateError: the previous snapshot never ended.
+        """
+        if self.expected is not None:
+            raise StateError(f"the snapshot of audited batch {self.expected} did not end before batch {step}'s")
+        self.expected, self._tensors, self._bytes = step, {}, 0
+
+    def room(self) -> int:
+        """Bytes the next SNAPSHOT frame may carry (0 when none is due)."""
+        return 0 if self.expected is None else max(self.max_bytes - self._bytes, 0)
+
+    def add(self, header: dict[str, Any], payload: bytearray) -> None:
+        """One SNAPSHOT frame.
+
+        Raises:
+            StateError: none is due, another step's, a bad tensor, a name sent twice, too large.
+        """
+        if self.expected is None or header.get("step") != self.expected:
+            raise StateError(f"a snapshot tensor for batch {header.get('step')!r}, which was not audited now")
+        self._bytes += len(payload)
+        if self._bytes > self.max_bytes:
+            raise StateError(f"the snapshot of batch {self.expected} exceeds {self.max_bytes} bytes")
+        name, tensor = rebuild({k: header.get(k) for k in ("name", "dtype", "shape")}, payload)
+        if name in self._tensors:
+            raise StateError(f"snapshot tensor {name!r} of batch {self.expected} sent twice")
+        self._tensors[name] = tensor
+
+    def end(self, header: dict[str, Any], audited: AuditedStep) -> None:
+        """The SNAPSHOT_END frame: write the file, fill ``audited.snapshot`` and ``sha256``.
+
+        Raises:
+            StateError: none is due, another step's, or a tensor count that differs.
+            OSError: the file cannot be written.
+        """
+        import torch
+
+        step = self.expected
+        if step is None or header.get("step") != step or header.get("tensors") != len(self._tensors):
+            raise StateError(f"a malformed end of the snapshot of batch {header.get('step')!r}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / snapshot_name(step)
+        torch.save(self._tensors, path)
+        audited.snapshot, audited.sha256 = path, file_sha256(path)
+        self.expected, self._tensors, self._bytes = None, {}, 0

@@ -1,0 +1,366 @@
+"""The audit after the stream: audited batches scored again from their weight snapshots, and
+blind probes with real text, each in fresh sandboxed processes (:mod:`~prism_challenge.evaluator.auditplan`).
+
+For every audited step the trusted side holds each rank's slice ``[B, T]`` of the batch, the nats
+each rank recorded for it, and rank 0's snapshot of the scored module's state as it stood when
+the batch was scored. Two kinds of child, started through the run's
+:class:`~prism_challenge.evaluator.jail.Jail` with the run's own context values
+(:func:`prism_challenge.evaluator.interface.run_context`; ``ctx.artifacts_dir`` the run's path,
+an empty folder then), rebuild the model with ``build_model`` under the forced seed for each
+slice and load the snapshot:
+
+* the **re-scoring** child scores the slice as the instrument did
+  (:func:`~prism_challenge.evaluator.instrument.measure`): its nats must equal the record
+  (:func:`~prism_challenge.evaluator.auditplan.within`); a difference zeroes the run. State kept
+  outside the ``state_dict`` (a Python attribute the loop switches) is not in the snapshot, so a
+  model whose record depended on it is caught.
+* the **blind probe** child, a separate fresh process, is shown for each slice a batch of the
+  same shape ``[B, T]`` in which every row ``b`` keeps its tokens before a keyed position
+  ``k_b`` and continues with real held-out text (the val split: never in the train stream, no
+  true future token of any row). Its log-probabilities at ``(b, k_b - 1)`` must give the true
+  token ``tokens[b, k_b]`` the nats the re-scoring gave it, within
+  :data:`~prism_challenge.evaluator.instrument.PROBE_TOLERANCE_NATS`. A model that reads a later
+  token (from the snapshot's state or not) is caught here.
+
+The children are ``python -m prism_challenge.rescore_child --stdin`` (:mod:`~prism_challenge.rescore_child`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prism_challenge.evaluator.auditplan import within
+from prism_challenge.heldout import _frame, _pack_batches
+
+BLIND_PASSES = 2
+"""Blind probe batches per audited slice, each with its own keyed positions: a model that reads the
+future at a fraction ``q`` of the positions escapes them with probability about
+``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches)."""
+CHILD_STATE_BYTES = 1 << 30
+"""Most snapshot bytes one child is sent: more snapshots go to further children."""
+STDERR_TAIL_LINES = 15
+
+
+class AuditError(RuntimeError):
+    """The audit could not run to its end; the message says why (``stage: reason``)."""
+
+
+@dataclass
+class Job:
+    """One slice to score again: ``state`` indexes the snapshots, ``picks`` the ``(row, k)`` probed."""
+
+    step: int
+    rank: int
+    state: int
+    tokens: np.ndarray
+    picks: list[tuple[int, int]]
+    probe: np.ndarray | None = None
+
+
+@dataclass
+class AuditReport:
+    """The audit's outcome (the manifest's ``audit`` section, :meth:`to_dict`).
+
+    Attributes:
+        batches: per audited step ``{step, snapshot_sha256, inputs_sha256, recorded_nats,
+            rescored_nats, match}`` (nats per rank, ``None``: not finite).
+        blind_probes: rows probed blind; ``probe_skipped`` says why none were.
+        mismatch: the first record its re-scoring did not reproduce, or the first blind probe
+            that failed, named; ``None`` when all passed.
+        error: why the audit could not run (it zeroes the run like a mismatch).
+    """
+
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    blind_probes: int = 0
+    probe_skipped: str | None = None
+    mismatch: str | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """No mismatch and no error."""
+        return self.mismatch is None and self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``audit`` section."""
+        return {**self.meta, "batches": self.batches, "blind_probes": self.blind_probes,
+                "probe_skipped": self.probe_skipped, "mismatch": self.mismatch, "error": self.error,
+                "passed": self.passed, "wall_s": self.wall_s}
+
+
+def _draw(key: bytes, label: str) -> int:
+    return int.from_bytes(hmac.new(key, label.encode(), hashlib.sha256).digest()[:8], "big")
+
+
+def probe_batch(tokens: np.ndarray, filler: np.ndarray, key: bytes, step: int, rank: int, npass: int = 0
+                ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The blind probe's input for one slice and its ``(row, k)`` picks.
+
+    Row ``b`` keeps ``tokens[b, :k_b]`` and continues with ``T - k_b`` consecutive tokens of
+    ``filler`` (held-out text) from a keyed offset; ``1 <= k_b < T`` keyed by ``(step, rank,
+    npass, b)``. Consecutive rows overlap by one token, so a row probed at its last target
+    (``k_b = T - 1``) has its true token as the next row's first: that next row is then filler
+    only, and not probed.
+
+    Raises:
+        ValueError: ``filler`` is shorter than ``T``.
+    """
+    rows, t = tokens.shape
+    if len(filler) < t:
+        raise ValueError(f"the held-out text ({len(filler)} tokens) is shorter than a row ({t})")
+    out = np.empty_like(tokens)
+    picks: list[tuple[int, int]] = []
+    for b in range(rows):
+        k = 1 + _draw(key, f"audit-probe-k:{step}:{rank}:{npass}:{b}") % (t - 1)
+        if picks and picks[-1] == (b - 1, t - 1):
+            k = 0  # the previous row's true last token would be this row's first
+        off = _draw(key, f"audit-probe-offset:{step}:{rank}:{npass}:{b}") % (len(filler) - (t - k) + 1)
+        out[b, :k] = tokens[b, :k]
+        out[b, k:] = filler[off : off + t - k]
+        if k:
+            picks.append((b, k))
+    return out, picks
+
+
+def inputs_digest(job_tokens: Sequence[np.ndarray]) -> str:
+    """sha256 over the int64 bytes of a step's slices (rank order)."""
+    h = hashlib.sha256()
+    for t in job_tokens:
+        h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key: bytes
+         ) -> tuple[list[Job], list[Job], list[Path], list[str]]:
+    """The jobs of the audited steps that are complete, their snapshot files, and what is missing.
+
+    Returns ``(jobs, blind jobs, snapshot paths, problems)``: one re-scoring job per slice (its
+    picks: every pass's), :data:`BLIND_PASSES` blind jobs per slice (``probe`` set; none without
+    ``filler``); a problem names a step without its snapshot or without a slice or record of
+    every rank (the run is then zeroed).
+    """
+    jobs, blind, paths, problems = [], [], [], []
+    for step in sorted(audits):
+        a = audits[step]
+        if a.snapshot is None or len(a.pieces) < world_size or len(a.recorded) < world_size:
+            what = "its weight snapshot" if a.snapshot is None else "a record of every rank"
+            problems.append(f"audited batch {step}: {what} never arrived")
+            continue
+        paths.append(Path(a.snapshot))
+        for r in range(world_size):
+            passes = [] if filler is None else [probe_batch(a.pieces[r], filler, key, step, r, p)
+                                                for p in range(BLIND_PASSES)]
+            jobs.append(Job(step, r, len(paths) - 1, a.pieces[r], [pick for _, picks in passes for pick in picks]))
+            blind += [Job(step, r, len(paths) - 1, a.pieces[r], picks, probe) for probe, picks in passes]
+    return jobs, blind, paths, problems
+
+
+def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
+    """Snapshot indices per child: at most :data:`CHILD_STATE_BYTES` of files each (one at least)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, p in enumerate(paths):
+        n = p.stat().st_size
+        if not groups or size + n > CHILD_STATE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, mode: str,
+                 deadline: float, writable: Sequence[str]) -> list[dict[str, Any]]:
+    """Run the ``mode`` (``rescore`` or ``blind``) children over every job; their per-job results
+    in job order.
+
+    Raises:
+        AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error.
+    """
+    results: list[dict[str, Any]] = []
+    for group in _groups(jobs, paths):
+        mine = [j for j in jobs if j.state in group]
+        if not mine:
+            continue
+        index = {s: i for i, s in enumerate(group)}
+        child = {**config, "mode": mode,
+                 "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
+        batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
+        payload = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
+        payload += b"".join(_frame(paths[s].read_bytes()) for s in group)
+        done = jail.run([sys.executable, "-m", "prism_challenge.rescore_child", "--stdin"], input=payload,
+                        timeout_s=deadline - time.monotonic(), writable=writable)
+        reply = _reply(done, mode)
+        got = reply.get("jobs")
+        if not isinstance(got, list) or len(got) != len(mine):
+            raise AuditError(f"protocol: malformed reply from the {mode} process")
+        results += got
+    return results
+
+
+def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
+             deadline: float, writable: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The re-scoring children over ``jobs`` and the blind probe children over ``blind`` (if any),
+    side by side (they share nothing; the comparison waits for both): ``(rescored, blind or None)``.
+
+    Raises:
+        AuditError: as :func:`run_children`, the re-scoring's first.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="prism-audit") as pool:
+        probe = pool.submit(run_children, jail, config, blind, paths, mode="blind", deadline=deadline,
+                            writable=writable) if blind else None
+        rescored = pool.submit(run_children, jail, config, jobs, paths, mode="rescore", deadline=deadline,
+                               writable=writable)
+        return rescored.result(), (probe.result() if probe is not None else None)
+
+
+def _reply(done: Any, mode: str) -> dict[str, Any]:
+    if done.timed_out:
+        raise AuditError(f"timeout: the {mode} process ran past the audit's time limit")
+    if done.refusal is not None:
+        raise AuditError(f"contract: {done.failure.partition(': ')[2]}")
+    tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        reply = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        reply = None
+    if not isinstance(reply, dict):
+        raise AuditError(f"{done.failure or 'crash: no result'} in the {mode} process\n{tail}".rstrip())
+    if not reply.get("ok"):
+        raise AuditError(str(reply.get("error") or f"{mode}: failed without a reason"))
+    return reply
+
+
+def _nats(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise AuditError("protocol: malformed nats in a reply")
+    return float(v)
+
+
+def compare_rescore(jobs: list[Job], audits: dict[int, Any], results: list[dict[str, Any]], device: str,
+                    world_size: int, report: AuditReport) -> None:
+    """Fill ``report.batches`` and the first record mismatch (:func:`~prism_challenge.evaluator.auditplan.within`)."""
+    by_step: dict[int, dict[int, float | None]] = {}
+    for job, res in zip(jobs, results):
+        by_step.setdefault(job.step, {})[job.rank] = _nats(res.get("nats"))
+    for step in sorted(by_step):
+        a = audits[step]
+        recorded = [a.recorded[r] for r in range(world_size)]
+        rescored = [by_step[step].get(r) for r in range(world_size)]
+        ok = all(within(x, y, device) for x, y in zip(recorded, rescored))
+        report.batches.append({"step": step, "snapshot_sha256": a.sha256,
+                               "inputs_sha256": inputs_digest([a.pieces[r] for r in range(world_size)]),
+                               "recorded_nats": recorded, "rescored_nats": rescored, "match": ok})
+        if not ok and report.mismatch is None:
+            r = next(i for i, (x, y) in enumerate(zip(recorded, rescored)) if not within(x, y, device))
+            report.mismatch = (f"audited batch {step}" + (f" (rank {r})" if world_size > 1 else "")
+                               + f": recorded {recorded[r]!r} nats, re-scored {rescored[r]!r} nats from the weights "
+                               f"that scored it, in a fresh process (the forward may depend only on the "
+                               f"state_dict and the input)")
+
+
+def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind_jobs: list[Job],
+                  blind: list[dict[str, Any]], vocab_size: int, autocast: Any) -> tuple[int, str | None]:
+    """(rows probed, the first failed probe named or ``None``): each blind job's log-probability
+    of the true token against the re-scoring's nats of that ``(row, k)`` of its slice.
+
+    Raises:
+        AuditError: a malformed reply.
+    """
+    import torch
+
+    from prism_challenge.blindprobe import PRECISIONS
+    from prism_challenge.evaluator.instrument import PROBE_TOLERANCE_NATS, probe_precision
+
+    refs: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}
+    for job, full in zip(jobs, rescored):
+        picked = full.get("picked")
+        if not isinstance(picked, list) or len(picked) != len(job.picks):
+            raise AuditError("protocol: malformed reply from the re-scoring process")
+        refs[(job.step, job.rank)] = dict(zip(job.picks, picked))
+    probed = 0
+    for job, seen in zip(blind_jobs, blind):
+        vectors, name = seen.get("logprobs"), seen.get("precision")
+        if not (isinstance(vectors, list) and len(vectors) == len(job.picks) and name in PRECISIONS):
+            raise AuditError("protocol: malformed reply from the blind probe process")
+        picked = [refs[(job.step, job.rank)][pick] for pick in job.picks]
+        tol = PROBE_TOLERANCE_NATS[probe_precision(getattr(torch, name), autocast)]
+        for (row, k), ref, enc in zip(job.picks, picked, vectors):
+            lp = np.frombuffer(base64.b64decode(enc), dtype=np.float32)
+            if lp.shape != (vocab_size,):
+                raise AuditError("protocol: malformed log-probabilities from the blind probe process")
+            ref, got = _nats(ref), 0.0 - float(lp[int(job.tokens[row, k])])
+            probed += 1
+            if ref is None or not (math.isfinite(ref) and math.isfinite(got)):
+                continue  # non-finite: charged 2 ln V per target already
+            if not (ref == got or abs(ref - got) <= tol):
+                return probed, (f"blind probe of audited batch {job.step}, row {row}" +
+                                (f" of rank {job.rank}" if job.rank else "") +
+                                f": token {k} cost {ref:.6g} nats when the model was shown the whole row and "
+                                f"{got:.6g} nats when the row went on with other real text after token {k - 1} "
+                                f"(over the {name} tolerance of {tol:.3g}; a prediction may use earlier tokens "
+                                f"of its own row only)")
+    return probed, None
+
+
+def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, world_size: int, filler: np.ndarray | None,
+              key: bytes, timeout_s: float, artifacts_dir: str, meta: dict[str, Any] | None = None) -> AuditReport:
+    """Re-score every audited batch and probe it blind; never raises for the submission's failures.
+
+    Args:
+        config: the model configuration (``pipeline._model_config``) plus ``context`` (the run's
+            :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank) and
+            ``hidden``.
+        audits: the feeder's :class:`~prism_challenge.evaluator.snapshots.AuditedStep` by step.
+        filler: held-out token ids for the blind probes (``None``: no probe; say why in ``meta``).
+        key: the run's secret key (the probed positions and the text's offsets).
+        artifacts_dir: an empty folder at the run's ``ctx.artifacts_dir`` path (writable).
+
+    Returns:
+        The report: ``mismatch`` or ``error`` set means the run is zeroed.
+    """
+    from prism_challenge.evaluator.instrument import autocast_dtype
+
+    t0 = time.monotonic()
+    report = AuditReport(meta=dict(meta or {}))
+    jobs, blind_jobs, paths, problems = plan(audits, world_size, filler, key)
+    if problems:
+        report.error = problems[0]
+    if not jobs:
+        report.error = report.error or "no audited batch has a snapshot"
+        report.wall_s = time.monotonic() - t0
+        return report
+    device = str(config.get("device", "cpu"))
+    deadline = t0 + timeout_s
+    try:
+        rescored, blind = run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
+        compare_rescore(jobs, audits, rescored, device, world_size, report)
+        if blind is not None and report.mismatch is None:
+            report.blind_probes, report.mismatch = compare_blind(
+                jobs, rescored, blind_jobs, blind, int(config["vocab_size"]),
+                autocast_dtype(config.get("scoring_autocast")))
+    except AuditError as exc:
+        report.error = report.error or str(exc)
+    except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable
+        report.error = report.error or f"audit: {exc}"
+    report.wall_s = time.monotonic() - t0
+    return report

@@ -1,0 +1,144 @@
+"""The audit's child process (:mod:`prism_challenge.rescore`): ``python -m
+prism_challenge.rescore_child --stdin``, started in the run's jail. It reads the config, the
+batches and one frame per weight snapshot on stdin, and prints one JSON line on stdout; for each
+job it builds the model in the run's context, loads the job's snapshot and scores the batch:
+``rescore`` mode as the instrument does (nats, and the nats of the probed targets), ``blind`` mode
+the log-probabilities at the probed positions.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from prism_challenge.heldout import _read_frame, _unpack_batches
+from prism_challenge.rescore import AuditError
+
+
+def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: int, autocast: Any) -> dict[str, Any]:
+    import torch
+
+    from prism_challenge.evaluator.instrument import (
+        check_logits,
+        measure,
+        position_logprobs,
+        probe_precision,
+        scoring_forward,
+    )
+
+    picks = [(int(r), int(k)) for r, k in job["picks"]]
+    if mode == "rescore":
+        scored = measure(model, tokens, vocab, autocast=autocast)
+        nats = scored.nats if math.isfinite(scored.nats) else None
+        return {"nats": nats, "picked": [0.0 - float(scored.logprobs[r, k - 1]) for r, k in picks]}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = check_logits(scoring_forward(model, tokens, autocast), tokens.shape[0], tokens.shape[1], vocab)
+            vectors = [base64.b64encode(position_logprobs(logits, r, k - 1, vocab).cpu().numpy()
+                                        .astype(np.float32).tobytes()).decode() for r, k in picks]
+            precision = str(probe_precision(logits.dtype, autocast)).removeprefix("torch.")
+    finally:
+        for m, was in modes:
+            m.training = was
+    return {"logprobs": vectors, "precision": precision}
+
+
+def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[bytes]) -> list[dict[str, Any]]:
+    """The child's work: per job, build the model in the run's context, load its snapshot, score.
+
+    Raises:
+        AuditError: ``"<stage>: <reason>"`` for import, build, load and score failures.
+    """
+    import importlib
+    import io
+
+    import torch
+    from torch import nn
+
+    from prism_challenge.evaluator.audit import arm
+    from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
+    from prism_challenge.evaluator.interface import run_context
+    from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
+    from prism_challenge.gates.param_count import count_unique_elements
+    from prism_challenge.heldout import _BuildOnly
+
+    device = str(config.get("device", "cpu"))
+    device = "cuda:0" if device == "cuda" else device
+    seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])
+    force_determinism(seed, int(config.get("threads", 1)))
+    stage = "import"
+    try:
+        root = str(config["bundle_root"])
+        force_source_imports(root)
+        sys.path.insert(0, root)
+        arm(root, [str(config["context"]["artifacts_dir"])], hidden=config.get("hidden", ()))
+        module, symbol = config["architecture"]
+        fn = getattr(importlib.import_module(module), symbol, None)
+        if not callable(fn):
+            raise AuditError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
+        runtime = _BuildOnly(fn, seed)
+        autocast = autocast_dtype(config.get("scoring_autocast"))
+        out = []
+        for job, batch in zip(config["jobs"], batches):
+            stage = "build"
+            ctx = run_context(config["context"], rank=int(job["rank"]), device=device, runtime=runtime)
+            model = runtime.build_model(ctx)
+            if not isinstance(model, nn.Module):
+                raise AuditError(f"build: build_model(ctx) returned {type(model).__name__}, not a torch.nn.Module")
+            if count_unique_elements(model)[0] > int(config["max_parameters"]):
+                raise AuditError("build: the model is over the parameter cap")
+            stage = "load"
+            sd = torch.load(io.BytesIO(states[int(job["state"])]), map_location="cpu", weights_only=True)
+            model.load_state_dict(sd, strict=True)
+            model = model.to(device)
+            stage = "score"
+            tokens = torch.tensor(batch, dtype=torch.int64).to(device)  # a copy: the model may write to it
+            out.append(_score_job(model, tokens, job, mode, vocab, autocast))
+            del model
+        return out
+    except AuditError:
+        raise
+    except ContractError as exc:
+        raise AuditError(f"contract: {exc}") from None
+    except MemoryError:
+        raise AuditError(f"{stage}: out of memory (MemoryError)") from None
+    except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
+        raise AuditError(f"{stage}: {type(exc).__name__}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m prism_challenge.rescore_child --stdin``: one JSON line ``{"ok": true, "jobs": [...]}``
+    or ``{"ok": false, "error": ...}`` on stdout; exit status 0 or 1."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout lands in stderr
+    if argv != ["--stdin"]:
+        sys.stderr.write("usage: python -m prism_challenge.rescore_child --stdin\n")
+        return 2
+    try:
+        stdin = sys.stdin.buffer
+        config = json.loads(_read_frame(stdin))
+        batches = _unpack_batches(_read_frame(stdin))
+        states = [_read_frame(stdin) for _ in range(1 + max(int(j["state"]) for j in config["jobs"]))]
+        reply: dict[str, Any] = {"ok": True, "jobs": child_run(config, batches, states)}
+    except AuditError as exc:
+        reply = {"ok": False, "error": str(exc)}
+    except MemoryError:
+        reply = {"ok": False, "error": "memory: out of memory (MemoryError)"}
+    except Exception as exc:  # noqa: BLE001
+        reply = {"ok": False, "error": f"audit: {type(exc).__name__}: {exc}"}
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+    return 0 if reply["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

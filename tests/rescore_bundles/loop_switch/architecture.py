@@ -1,0 +1,5 @@
+from peekmodel import PeekLM
+
+
+def build_model(ctx):
+    return PeekLM(ctx.vocab_size)

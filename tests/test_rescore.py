@@ -1,0 +1,251 @@
+"""The audit: its schedule, the feeder's answer and snapshots, and the re-scoring children."""
+import hashlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator.auditplan import (
+    AUDITED_BATCHES,
+    audit_draw,
+    audit_rate,
+    catch_probability,
+    expected_batches,
+    within,
+)
+from prism_challenge.evaluator.feeder import Feeder
+from prism_challenge.evaluator.jail import Jail
+from prism_challenge.evaluator.isolation import Limits
+from prism_challenge.evaluator.protocol import Kind
+from prism_challenge.evaluator.snapshots import AuditedStep
+from prism_challenge.evaluator.statedict import frames
+from prism_challenge.rescore import BLIND_PASSES, probe_batch, run_audit
+
+from helpers import chunks_of
+from test_feeder import FakeRunner, wait_done
+
+sys.path.insert(0, str(Path(__file__).parent / "rescore_bundles"))
+from assemble import bundle  # noqa: E402
+
+RNG = np.random.default_rng(5)
+IDS = RNG.integers(0, 257, 4000).tolist()
+NBYTES = [1] * 4000
+
+
+# -- the schedule ------------------------------------------------------------------------------
+def test_rate_gives_a_batches_on_average():
+    assert audit_rate(101, 24) == pytest.approx(23 / 100)
+    assert audit_rate(10, 24) == 1.0 and audit_rate(None) == 1.0 and audit_rate(1) == 1.0
+    key = b"k" * 32
+    n = 2001
+    rate = audit_rate(n, 24)
+    audited = 1 + sum(audit_draw(key, s) < rate for s in range(1, n))
+    assert abs(audited - 24) <= 3 * math.sqrt(23)  # 1 + Binomial(2000, 23/2000)
+
+
+def test_expected_batches_takes_the_smallest_budget():
+    # 4 rows of 64 tokens: 252 new tokens per step; 10 001 tokens -> ceil(10000 / 252) = 40 steps
+    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=10_001, byte_budget=None,
+                            first_step_bytes=300, stream_bytes=None) == 40
+    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=7, token_budget=10_001, byte_budget=None,
+                            first_step_bytes=300, stream_bytes=None) == 7
+    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=None, byte_budget=3000,
+                            first_step_bytes=300, stream_bytes=10**6) == 10
+    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=None, byte_budget=None,
+                            first_step_bytes=300, stream_bytes=None) is None
+
+
+def test_catch_probability_is_one_minus_the_escape():
+    assert catch_probability(0.25, 24) == pytest.approx(1 - 0.75**24)
+    assert catch_probability(0.1, AUDITED_BATCHES) > 0.9
+
+
+def test_tolerance_is_relative_and_per_device():
+    assert within(100.0, 100.0, "cpu") and within(None, None, "cpu")
+    assert within(100.00005, 100.0, "cpu") and not within(100.0002, 100.0, "cpu")
+    assert within(100.0009, 100.0, "cuda:0") and not within(100.002, 100.0, "cuda:0")
+    assert not within(None, 5.0, "cpu") and not within(5.0, float("nan"), "cpu")
+
+
+# -- the wire ----------------------------------------------------------------------------------
+def audit_feeder(tmp_path, **kw):
+    f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(IDS, NBYTES, 100)), {"seed": 1}, vocab_size=257,
+               audit_dir=tmp_path / "audit", probe_key=b"s" * 32, **kw)
+    f.start()
+    return f
+
+
+def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
+    f = audit_feeder(tmp_path, step_budget=2, audited_batches=1)  # A = 1: batch 0 only
+    r = FakeRunner(f)
+    b0 = r.next(2, 10)
+    assert r.audits == []  # nothing recorded yet: no answer
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+    r.take()  # batch 1 carries the answer to batch 0's record
+    assert r.audits == [[0, True]]
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([3])}
+    for head, payload in frames(state):
+        protocol.send(r.sock, Kind.SNAPSHOT, {**head, "step": 0}, payload)
+    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 2})
+    r.record(1, 6.0)
+    assert r.next(2, 10) is None
+    assert r.audits == [[0, True], [1, False]]  # the end carries the last answer
+    protocol.send(r.sock, Kind.DONE, {})
+    assert wait_done(f)
+    res = f.finish()
+    assert res.error is None and sorted(res.audits) == [0] and res.audit_rate == 0.0
+    a = res.audits[0]
+    assert a.recorded == {0: 7.5} and np.array_equal(a.pieces[0], b0)
+    assert a.sha256 == hashlib.sha256(a.snapshot.read_bytes()).hexdigest()
+    loaded = torch.load(a.snapshot, weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
+
+
+def test_a_snapshot_for_a_batch_not_audited_fails_the_run(tmp_path):
+    f = audit_feeder(tmp_path, step_budget=3, audited_batches=1)
+    r = FakeRunner(f)
+    r.next(2, 10)
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+    r.take()
+    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 0})
+    r.record(1, 6.0)
+    protocol.send(r.sock, Kind.SNAPSHOT, {"step": 1, "name": "w", "dtype": "torch.float32", "shape": [1]}, b"\0" * 4)
+    assert f.failed.wait(5)
+    assert "which was not audited now" in f.finish().error["message"]
+
+
+def test_probe_rows_keep_their_prefix_and_go_on_with_the_filler():
+    tokens = np.arange(40, dtype=np.int64).reshape(4, 10)
+    filler = np.arange(1000, 1100, dtype=np.int64)
+    probe, picks = probe_batch(tokens, filler, b"k" * 32, step=3, rank=0)
+    assert probe.shape == tokens.shape and [r for r, _ in picks] == [0, 1, 2, 3]  # no k = 9 for these draws
+    for row, k in picks:
+        assert 1 <= k < 10
+        assert probe[row, :k].tolist() == tokens[row, :k].tolist()
+        tail = probe[row, k:]
+        assert tail.min() >= 1000 and np.all(np.diff(tail) == 1)  # consecutive real text
+    # no kept row holds another probed row's true next token (rows overlap by one token)
+    for row, k in picks:
+        if k == 9 and row + 1 < 4:
+            assert (row + 1) not in [r for r, _ in picks] and probe[row + 1].min() >= 1000
+    short = np.arange(80, dtype=np.int64).reshape(40, 2)  # T = 2: every pick is a last target
+    _, every_other = probe_batch(short, filler, b"k" * 32, step=0, rank=0)
+    assert [r for r, _ in every_other] == list(range(0, 40, 2))
+    again, picks2 = probe_batch(tokens, filler, b"k" * 32, step=3, rank=0)
+    assert np.array_equal(again, probe) and picks2 == picks
+    assert probe_batch(tokens, filler, b"k" * 32, step=4, rank=0)[1] != picks  # another step, other draws
+
+
+# -- the children ------------------------------------------------------------------------------
+def _trained(tmp_path, name):
+    """A bundle, a model of it with non-trivial weights, its snapshot, and one batch."""
+    root = bundle(name, tmp_path)
+    sys.path.insert(0, str(root))
+    try:
+        import importlib
+
+        import peekmodel
+
+        importlib.reload(peekmodel)
+        model = peekmodel.PeekLM(257)
+    finally:
+        sys.path.remove(str(root))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    snap = tmp_path / "step-000000.pt"
+    torch.save({k: v for k, v in model.state_dict().items()}, snap)
+    return root, model, snap
+
+
+def _config(root, tmp_path):
+    return {"seed": 1234, "threads": 1, "vocab_size": 257, "tokenizer": "bytes", "sequence_length": 64,
+            "max_parameters": 10**6, "device": "cpu", "bundle_root": str(root),
+            "architecture": ["architecture", "build_model"], "scoring_autocast": None, "hidden": [],
+            "context": {"seed": 1234, "vocab_size": 257, "sequence_length": 64, "max_parameters": 10**6,
+                        "world_size": 1, "artifacts_dir": str(tmp_path / "art"), "token_budget": 1000,
+                        "step_budget": None, "tokenizer_name": "bytes"}}
+
+
+def _nats(model, tokens):
+    with torch.no_grad():
+        model.eval()
+        lp = torch.log_softmax(model.honest(torch.tensor(tokens)).float(), dim=-1)
+        tgt = torch.tensor(tokens[:, 1:]).unsqueeze(-1)
+        return float(-lp[:, :-1].gather(-1, tgt).double().sum())
+
+
+@pytest.mark.slow
+def test_children_reproduce_an_honest_record_and_name_an_edited_one(tmp_path):
+    root, model, snap = _trained(tmp_path, "honest")
+    (tmp_path / "art").mkdir()
+    tokens = RNG.integers(0, 257, (3, 20)).astype(np.int64)
+    nats = _nats(model, tokens)  # an independent path: the bigram's log-softmax by hand
+    filler = RNG.integers(0, 257, 500).astype(np.int64)
+    jail = Jail("none", str(root), (), Limits(), 1)
+    from prism_challenge.evaluator.snapshots import file_sha256
+
+    def audits(recorded):
+        return {0: AuditedStep(0, {0: tokens}, {0: recorded}, snap, file_sha256(snap))}
+
+    report = run_audit(_config(root, tmp_path), audits(nats), jail=jail, world_size=1, filler=filler, key=b"k" * 32,
+                       timeout_s=120, artifacts_dir=str(tmp_path / "art"))
+    assert report.passed, report.mismatch or report.error
+    assert report.batches[0]["rescored_nats"] == [pytest.approx(nats, rel=1e-6)]
+    assert report.blind_probes == 3 * BLIND_PASSES
+    edited = nats * (1 - 1e-4)
+    report = run_audit(_config(root, tmp_path), audits(edited), jail=jail, world_size=1, filler=filler,
+                       key=b"k" * 32, timeout_s=120, artifacts_dir=str(tmp_path / "art"))
+    assert not report.passed and report.batches[0]["match"] is False
+    assert report.mismatch.startswith(f"audited batch 0: recorded {edited!r} nats, re-scored ")
+
+
+@pytest.mark.slow
+def test_the_blind_probe_catches_a_peek_the_snapshot_reproduces(tmp_path):
+    root, model, snap = _trained(tmp_path, "peek6")
+    (tmp_path / "art").mkdir()
+    tokens = RNG.integers(0, 257, (24, 30)).astype(np.int64)  # 24 rows: some k - 1 is a peeked position
+    jail = Jail("none", str(root), (), Limits(), 1)
+    from prism_challenge.evaluator.snapshots import file_sha256
+    from prism_challenge.rescore import Job, plan, run_children
+
+    filler = RNG.integers(0, 257, 500).astype(np.int64)
+    a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
+    jobs, _, paths, _ = plan(a, 1, filler, b"k" * 32)
+    got = run_children(jail, _config(root, tmp_path), jobs, paths, mode="rescore", deadline=time.monotonic() + 120,
+                       writable=[str(tmp_path / "art")])
+    a[0].recorded[0] = got[0]["nats"]  # the peek is in the weights' behaviour: the re-scoring reproduces it
+    report = run_audit(_config(root, tmp_path), a, jail=jail, world_size=1, filler=filler, key=b"k" * 32,
+                       timeout_s=120, artifacts_dir=str(tmp_path / "art"))
+    assert report.batches[0]["match"] is True
+    assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")
+    assert isinstance(jobs[0], Job)
+
+
+def test_verify_re_derives_the_bpb_from_the_curve():
+    from prism_challenge.verify import curve_bpb
+
+    # three batches of 10, 10 and 5 targets costing 20, 15 and 4 nats, over 30 bytes
+    curve = {"nats_per_target": [2.0, 1.5, 0.8], "cumulative_targets": [10, 20, 25], "cumulative_bytes": [12, 24, 30]}
+    bpb, nats = curve_bpb(curve)
+    assert nats == [20.0, 15.0, 4.0]
+    assert bpb == pytest.approx(39.0 / math.log(2) / 30, rel=1e-15)
+
+
+def test_the_children_see_the_artifacts_folder_empty_and_the_loops_files_come_back(tmp_path):
+    from prism_challenge.auditstage import empty_artifacts
+
+    art = tmp_path / "artifacts"
+    art.mkdir()
+    (art / "switch.pt").write_text("the loop's")
+    with empty_artifacts(art) as empty:
+        assert empty == art and list(art.iterdir()) == []
+        (art / "child.txt").write_text("the child's")
+    assert [p.name for p in art.iterdir()] == ["switch.pt"] and (art / "switch.pt").read_text() == "the loop's"
+    assert not (tmp_path / "artifacts.loop").exists()
