@@ -1,5 +1,6 @@
 """The rescore tests' bundles: a folder of ``tests/rescore_bundles`` plus the shared model
-module ``common/peekmodel.py``, copied into a fresh directory."""
+module ``common/peekmodel.py`` (and ``common/plain_training.py`` as ``training.py`` where the
+folder has no loop of its own), copied into a fresh directory."""
 import shutil
 from pathlib import Path
 
@@ -7,8 +8,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def bundle(name: str, dest: Path) -> Path:
-    """Copy bundle ``name`` with ``peekmodel.py`` into ``dest / name``; returns that folder."""
+    """Copy bundle ``name`` with ``peekmodel.py`` (and the plain loop, if it has none) into
+    ``dest / name``; returns that folder."""
     out = dest / name
     shutil.copytree(HERE / name, out)
     shutil.copyfile(HERE / "common" / "peekmodel.py", out / "peekmodel.py")
+    if not (out / "training.py").exists():
+        shutil.copyfile(HERE / "common" / "plain_training.py", out / "training.py")
     return out
