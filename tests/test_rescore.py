@@ -285,3 +285,19 @@ def test_the_children_cannot_relay_the_true_rows_through_the_artifacts_folder(tm
     assert report.error is None, report.error
     assert report.batches[0]["match"] is True
     assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")
+
+
+def test_empty_folders_removes_files_folders_and_links_without_following_them(tmp_path):
+    from prism_challenge.evaluator.freshdir import empty_folders
+
+    keep = tmp_path / "outside"
+    keep.mkdir()
+    (keep / "kept.txt").write_text("not the child's")
+    art = tmp_path / "art"
+    (art / "sub").mkdir(parents=True)
+    (art / "relay.pt").write_bytes(b"rows")
+    (art / "sub" / "deep.pt").write_bytes(b"rows")
+    (art / "link").symlink_to(keep, target_is_directory=True)
+    empty_folders([art, tmp_path / "absent"])
+    assert art.is_dir() and list(art.iterdir()) == []
+    assert (keep / "kept.txt").read_text() == "not the child's"
