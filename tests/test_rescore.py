@@ -249,3 +249,55 @@ def test_the_children_see_the_artifacts_folder_empty_and_the_loops_files_come_ba
         (art / "child.txt").write_text("the child's")
     assert [p.name for p in art.iterdir()] == ["switch.pt"] and (art / "switch.pt").read_text() == "the loop's"
     assert not (tmp_path / "artifacts.loop").exists()
+
+
+def _chained(rows, t, seed):
+    """``rows`` stream rows of ``t`` tokens that overlap by one token, as the feeder cuts them."""
+    ids = np.random.default_rng(seed).integers(0, 257, rows * (t - 1) + 1).astype(np.int64)
+    return np.stack([ids[r * (t - 1): r * (t - 1) + t] for r in range(rows)])
+
+
+@pytest.mark.slow
+def test_the_children_cannot_relay_the_true_rows_through_the_artifacts_folder(tmp_path):
+    """Red team (cheat 5, bundle ``relay``): the re-scoring child writes the real rows it scores
+    to ``ctx.artifacts_dir``; the blind probe child, beside it, reads them back, restores its rows'
+    true futures and peeks. Each child must see the folder empty (and the children run one after
+    the other), so the probe sees no true token and catches the peek."""
+    root, model, snap = _trained(tmp_path, "relay")
+    tokens = _chained(4, 64, 11)
+    assert all(tokens[b, -1] == tokens[b + 1, 0] for b in range(3))
+    jail = Jail("none", str(root), (), Limits(), 1)
+    from prism_challenge.evaluator.snapshots import file_sha256
+    from prism_challenge.rescore import plan, run_children
+
+    filler = RNG.integers(0, 257, 500).astype(np.int64)
+    a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
+    jobs, _, paths, _ = plan(a, 1, filler, b"k" * 32)
+    (tmp_path / "art").mkdir()
+    got = run_children(jail, _config(root, tmp_path), jobs, paths, mode="rescore",
+                       deadline=time.monotonic() + 120, writable=[str(tmp_path / "art")])
+    (tmp_path / "art" / "relay.pt").unlink()  # the rank's run leaves the audit nothing: the folder is emptied
+    peeked = got[0]["nats"]
+    assert peeked < _nats(model, tokens) - 3.0 * 4 * 63  # the peek is on: a bonus of 4 nats at each target
+    a[0].recorded[0] = peeked  # what the rank recorded (the relay is deterministic from the input)
+    report = run_audit(_config(root, tmp_path), a, jail=jail, world_size=1, filler=filler, key=b"k" * 32,
+                       timeout_s=300, artifacts_dir=str(tmp_path / "art"))
+    assert report.error is None, report.error
+    assert report.batches[0]["match"] is True
+    assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")
+
+
+def test_empty_folders_removes_files_folders_and_links_without_following_them(tmp_path):
+    from prism_challenge.evaluator.freshdir import empty_folders
+
+    keep = tmp_path / "outside"
+    keep.mkdir()
+    (keep / "kept.txt").write_text("not the child's")
+    art = tmp_path / "art"
+    (art / "sub").mkdir(parents=True)
+    (art / "relay.pt").write_bytes(b"rows")
+    (art / "sub" / "deep.pt").write_bytes(b"rows")
+    (art / "link").symlink_to(keep, target_is_directory=True)
+    empty_folders([art, tmp_path / "absent"])
+    assert art.is_dir() and list(art.iterdir()) == []
+    assert (keep / "kept.txt").read_text() == "not the child's"

@@ -61,6 +61,7 @@ import numpy as np
 
 from prism_challenge.blindprobe import BLIND_PROBES, BlindProbeError, blind_probes, compare, logprobs_at
 from prism_challenge.evaluator.isolation import Limits
+from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.evaluator.jail import Jail
 
 LN2 = math.log(2.0)
@@ -501,6 +502,7 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
     """
     payload = _frame(json.dumps(child_config).encode()) + _frame(_pack_batches(batches)) + _frame(state)
     values = child_config.get("context")
+    empty_folders([str(values["artifacts_dir"])] if values else [])  # nothing the other child left (freshdir)
     done = jail.run([sys.executable, "-m", "prism_challenge.heldout", "--stdin"], input=payload,
                     timeout_s=deadline - time.monotonic(), writable=[str(values["artifacts_dir"])] if values else [])
     if done.timed_out:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from prism_challenge.evaluator.auditplan import within
+from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.heldout import _frame, _pack_batches
 
 BLIND_PASSES = 2
@@ -202,6 +203,7 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
         payload = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
         payload += b"".join(_frame(paths[s].read_bytes()) for s in group)
+        empty_folders(writable)  # nothing another child left there (freshdir)
         done = jail.run([sys.executable, "-m", "prism_challenge.rescore_child", "--stdin"], input=payload,
                         timeout_s=deadline - time.monotonic(), writable=writable)
         reply = _reply(done, mode)
@@ -214,20 +216,19 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
              deadline: float, writable: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The re-scoring children over ``jobs`` and the blind probe children over ``blind`` (if any),
-    side by side (they share nothing; the comparison waits for both): ``(rescored, blind or None)``.
+    """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
+    any): ``(rescored, blind or None)``. One child at a time, each with the ``writable`` folders
+    emptied (:mod:`~prism_challenge.evaluator.freshdir`): side by side, a re-scoring child could
+    leave the true rows in the shared ``ctx.artifacts_dir`` for the blind child beside it.
 
     Raises:
         AuditError: as :func:`run_children`, the re-scoring's first.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="prism-audit") as pool:
-        probe = pool.submit(run_children, jail, config, blind, paths, mode="blind", deadline=deadline,
-                            writable=writable) if blind else None
-        rescored = pool.submit(run_children, jail, config, jobs, paths, mode="rescore", deadline=deadline,
-                               writable=writable)
-        return rescored.result(), (probe.result() if probe is not None else None)
+    rescored = run_children(jail, config, jobs, paths, mode="rescore", deadline=deadline, writable=writable)
+    probe = run_children(jail, config, blind, paths, mode="blind", deadline=deadline,
+                         writable=writable) if blind else None
+    empty_folders(writable)
+    return rescored, probe
 
 
 def _reply(done: Any, mode: str) -> dict[str, Any]:
