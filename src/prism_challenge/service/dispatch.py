@@ -148,6 +148,7 @@ class Dispatcher:
         self._tracked: dict[str, _Track] = {}
         self._profiles: dict[str, Profile] = dict(profiles or {})
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by wake(): a submission arrived, claim now
         self._thread: threading.Thread | None = None
         self._owns_ray = False
         self._remote: Any = None
@@ -180,6 +181,7 @@ class Dispatcher:
         """Stop the thread (evaluations in flight keep running on the cluster: a later
         dispatcher reconciles them); shut the embedded Ray down if this dispatcher started it."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -189,6 +191,12 @@ class Dispatcher:
 
             ray.shutdown()
             self._owns_ray = False
+
+    def wake(self) -> None:
+        """A submission became pending (the intake calls this after storing it): an idle round
+        claims at once instead of at the end of its ``poll_s`` wait. Polling stays, for
+        submissions another process stored and for retries past their backoff."""
+        self._wake.set()
 
     @property
     def in_flight(self) -> dict[str, Claim]:
@@ -222,7 +230,8 @@ class Dispatcher:
             self._launch(claim)
             launched = True
         if not self._tracked and not launched:
-            self._stop.wait(self.poll_s)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
 
     def _node(self, t: _Track) -> str | None:
         """The attempt's node (``ip node-id pid``) once its ``where()`` answered, else ``None``."""
