@@ -128,7 +128,7 @@ def main() -> None:
         eval_cmd_s, m = prism_eval(EXAMPLE, args.profile, tmp / "eval")
         eval_wall_s = m["timing"]["wall_s"]
         print(f"prism eval {EXAMPLE.name} --profile {args.profile}: whole command {eval_cmd_s:.2f} s, "
-              f"its evaluate() {eval_wall_s:.2f} s ({m['status']}, bpb {m['score'].get('bpb') if m.get('score') else None})")
+              f"its evaluate() {eval_wall_s:.2f} s ({m['status']}, prequential bpb {(m.get('score') or {}).get('prequential_bpb')})")
         settings = ServiceSettings(database_url=f"sqlite:///{tmp / 'db.sqlite3'}", blob_root=tmp / "blobs",
                                    profile=args.profile, dispatch=True, slots=args.slots, rate_limit=10_000)
         app = create_app(settings)

@@ -166,7 +166,10 @@ class Dispatcher:
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
-                ray.init(num_cpus=self.slots, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+                # "local": a new instance of our own, never a cluster someone `ray start`ed on this
+                # machine (ray.init() without an address joins the newest one it finds in /tmp/ray)
+                ray.init(address="local", num_cpus=self.slots, namespace=NAMESPACE, include_dashboard=False,
+                         log_to_driver=False)
             self._owns_ray = True
         self._remote = ray.remote(Evaluation)
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
