@@ -15,7 +15,8 @@ manifest's timestamps:
 
 * **headline** ``ratio``: submit -> completed (the POST sent -> the status read as final)
   over the ``prism eval`` command's wall time; goal at most 1.05;
-* submit -> ``running`` (the attempt claimed: the dispatcher's wake-up or poll);
+* submit -> ``running`` (the attempt claimed: the dispatcher's wake-up or poll; 202 -> running can
+  read a few ms below zero: the intake wakes the dispatcher before its 202 reaches the client);
 * the partial figures: POST -> 202 (the intake's gates), 202 -> running (the dispatcher),
   running -> ``evaluate()`` started on the Ray worker (the actor's process, its imports, the
   zip extracted), ``evaluate()``'s own wall time (``timing.wall_s``), its end -> the result

@@ -14,6 +14,9 @@ A :class:`Dispatcher` runs one thread in the service. Each round it
    detached, named actor per attempt on the node Ray picks, asking for the run's resources
    (:func:`resources_for`), with the bundle's bytes and the loaded profile as its argument.
 
+An idle round waits ``poll_s`` for :meth:`Dispatcher.wake`, which the intake calls for each
+submission it accepts: a new submission is claimed at once, not at the end of a poll.
+
 Retries: an ``infrastructure`` failure puts the submission back to ``pending`` with a backoff
 (:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
 row. A ``submission`` failure is final at once.
