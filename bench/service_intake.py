@@ -170,7 +170,6 @@ def bench_backend(name: str, url: str, tmp: Path, args) -> None:
     print("   one submission's serial work, in-process, medians:")
     for key, value in parts.items():
         print(f"     {key:<34} {value:8.2f} ms  {value / serial:6.1%}")
-    print(f"     {'HTTP, event loop, threads (rest)':<34} {mi * 1000 - serial:8.2f} ms  (POST -> 202 minus the above)")
 
 
 def main() -> None:
