@@ -301,3 +301,48 @@ def test_fifty_submissions_from_concurrent_threads_each_end_with_exactly_one_res
     assert sorted(sid for sid, _ in per_sub) == sorted(sids) and {n for _, n in per_sub} == {1}
     assert attempts == 50 + retried and retried > 0
     assert all(store.result_of(sid).prequential_bpb == 8.018997287010148 for sid in sids)
+
+
+class _RefusingRay:
+    """Stands in for ``ray.remote(Evaluation)``: every actor creation is refused, so a claim
+    ends at once as an infrastructure failure (the dispatcher's own path, no Ray needed)."""
+
+    def options(self, **_kw):
+        raise RuntimeError("no cluster in this test")
+
+
+def test_an_idle_dispatcher_claims_a_new_submission_when_woken_not_after_its_poll(store):
+    """The intake's wake-up (Dispatcher.wake): with an hour-long idle poll, a submission stored
+    after the dispatcher went idle is claimed only because it was woken."""
+    import time
+
+    from prism_challenge.service.dispatch import Dispatcher
+
+    idle = threading.Event()
+
+    class Watched(threading.Event):
+        def wait(self, timeout=None):
+            idle.set()  # the round found nothing and sleeps now
+            return super().wait(timeout)
+
+    d = Dispatcher(store, blobs={SHA: b"PK"}, poll_s=3600.0, max_attempts=3)
+    d._remote, d._last_reconcile, d._last_beat = _RefusingRay(), time.monotonic(), time.monotonic()
+    d._wake = Watched()
+    thread = threading.Thread(target=d._loop, daemon=True)
+    thread.start()
+    assert idle.wait(10)
+    sid = store.submit(HOTKEY, SHA)
+    time.sleep(0.5)  # the dispatcher sleeps in its poll: nothing claims the submission
+    assert store.submission(sid).attempts == 0
+    d.wake()
+    deadline = time.monotonic() + 60
+    while store.submission(sid).attempts == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    d._stop.set()
+    d._wake.set()
+    thread.join(10)
+    sub, (attempt,) = store.submission(sid), store.attempts(sid)
+    assert (sub.attempts, sub.status, attempt.outcome) == (1, "pending", "retry")
+    assert (attempt.failure_kind, attempt.failure_stage) == ("infrastructure", "dispatch")
+    assert "Ray could not create the attempt's actor" in attempt.failure_message
+    assert not thread.is_alive()

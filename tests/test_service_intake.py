@@ -322,3 +322,24 @@ def test_prism_yaml_counts_by_what_it_declares_and_a_yaml_bomb_does_not_expand(s
     assert err["duplicate_of"] == r.json()["id"] and time.monotonic() - t0 < 30
     other = zip_files({"architecture.py": arch, "training.py": loop, "prism.yaml": "tokenizer: bytes\n"})
     assert post(base, other, signed(other, BOB_SEED)).status_code == 202  # another tokenizer: another source
+
+
+def test_an_accepted_submission_wakes_the_dispatcher_and_a_refused_one_does_not(server, tmp_path):
+    base, app = server
+
+    class Waker:
+        woken = 0
+
+        def wake(self):
+            self.woken += 1
+
+    waker = Waker()
+    app.state.dispatcher = waker
+    try:
+        assert post(base, b"not a zip", signed(b"not a zip")).status_code == 422
+        assert waker.woken == 0
+        body = _bundle(tmp_path, lr="0.00517")
+        assert post(base, body, signed(body)).status_code == 202
+        assert waker.woken == 1
+    finally:
+        app.state.dispatcher = None

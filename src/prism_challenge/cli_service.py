@@ -38,7 +38,8 @@ def add_service_parsers(sub: Any) -> None:
     p.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
     p.add_argument("--keyfile", required=True, type=Path, help="sr25519 key file (prism keygen, or a hotkey file)")
     p.add_argument("--no-wait", action="store_true", help="print the id and return once accepted")
-    p.add_argument("--poll", type=float, default=2.0, help="seconds between status reads (default 2)")
+    p.add_argument("--poll", type=float, default=None,
+                   help="seconds between status reads (default: service.client.FOLLOW_POLL_S, 0.5)")
     p.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
     p.add_argument("--json", action="store_true", help="print the final view as JSON")
     p.set_defaults(func=cmd_submit)
@@ -110,7 +111,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """``prism submit``: local gates, zip, sign, upload, follow."""
     from prism_challenge.bundle import BundleError
     from prism_challenge.gates.core import run_gates
-    from prism_challenge.service.client import ClientError, follow, health, upload, zip_bundle
+    from prism_challenge.service.client import FOLLOW_POLL_S, ClientError, follow, health, upload, zip_bundle
     from prism_challenge.service.keys import KeyfileError, read_keyfile
 
     try:
@@ -139,7 +140,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"note: this service's dispatcher is off (prism serve --no-dispatch): submission {got['id']} "
                   "stays pending until one evaluates it; following anyway (Ctrl-C, or --timeout, stops; "
                   f"`prism status {got['id']} --url {args.url}` reads it later)", file=sys.stderr, flush=True)
-        view = follow(args.url, got["id"], poll_s=args.poll, timeout_s=args.timeout,
+        poll_s = FOLLOW_POLL_S if args.poll is None else args.poll
+        view = follow(args.url, got["id"], poll_s=poll_s, timeout_s=args.timeout,
                       on_change=lambda v: print(_show(v), flush=True))
     except ClientError as exc:
         return _refused(exc, "submit")

@@ -116,7 +116,12 @@ def status(url: str, sid: int, *, timeout_s: float = 30.0) -> dict:
     return _answer(_send("GET", f"{url.rstrip('/')}/v1/submissions/{sid}", timeout=timeout_s))
 
 
-def follow(url: str, sid: int, *, poll_s: float = 2.0, timeout_s: float | None = None,
+FOLLOW_POLL_S = 0.5
+"""Seconds between a follower's status reads (``prism submit``, ``follow``): the end of a run is
+read on average half of this late; one read is a small indexed query (``bench/service_e2e.py``)."""
+
+
+def follow(url: str, sid: int, *, poll_s: float = FOLLOW_POLL_S, timeout_s: float | None = None,
            on_change: Callable[[dict], None] = lambda view: None) -> dict:
     """Poll the submission until it is final (:data:`FINAL`); ``on_change`` sees each new status.
 
@@ -138,4 +143,4 @@ def follow(url: str, sid: int, *, poll_s: float = 2.0, timeout_s: float | None =
         time.sleep(poll_s)
 
 
-__all__ = ["ClientError", "FINAL", "follow", "health", "status", "upload", "zip_bundle"]
+__all__ = ["ClientError", "FINAL", "FOLLOW_POLL_S", "follow", "health", "status", "upload", "zip_bundle"]

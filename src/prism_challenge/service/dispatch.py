@@ -14,6 +14,9 @@ A :class:`Dispatcher` runs one thread in the service. Each round it
    detached, named actor per attempt on the node Ray picks, asking for the run's resources
    (:func:`resources_for`), with the bundle's bytes and the loaded profile as its argument.
 
+An idle round waits ``poll_s`` for :meth:`Dispatcher.wake`, which the intake calls for each
+submission it accepts: a new submission is claimed at once, not at the end of a poll.
+
 Retries: an ``infrastructure`` failure puts the submission back to ``pending`` with a backoff
 (:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
 row. A ``submission`` failure is final at once.
@@ -148,6 +151,7 @@ class Dispatcher:
         self._tracked: dict[str, _Track] = {}
         self._profiles: dict[str, Profile] = dict(profiles or {})
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by wake(): a submission arrived, claim now
         self._thread: threading.Thread | None = None
         self._owns_ray = False
         self._remote: Any = None
@@ -165,7 +169,10 @@ class Dispatcher:
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
-                ray.init(num_cpus=self.slots, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+                # "local": a new instance of our own, never a cluster someone `ray start`ed on this
+                # machine (ray.init() without an address joins the newest one it finds in /tmp/ray)
+                ray.init(address="local", num_cpus=self.slots, namespace=NAMESPACE, include_dashboard=False,
+                         log_to_driver=False)
             self._owns_ray = True
         self._remote = ray.remote(Evaluation)
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
@@ -180,6 +187,7 @@ class Dispatcher:
         """Stop the thread (evaluations in flight keep running on the cluster: a later
         dispatcher reconciles them); shut the embedded Ray down if this dispatcher started it."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -189,6 +197,12 @@ class Dispatcher:
 
             ray.shutdown()
             self._owns_ray = False
+
+    def wake(self) -> None:
+        """A submission became pending (the intake calls this after storing it): an idle round
+        claims at once instead of at the end of its ``poll_s`` wait. Polling stays, for
+        submissions another process stored and for retries past their backoff."""
+        self._wake.set()
 
     @property
     def in_flight(self) -> dict[str, Claim]:
@@ -222,7 +236,8 @@ class Dispatcher:
             self._launch(claim)
             launched = True
         if not self._tracked and not launched:
-            self._stop.wait(self.poll_s)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
 
     def _node(self, t: _Track) -> str | None:
         """The attempt's node (``ip node-id pid``) once its ``where()`` answered, else ``None``."""

@@ -154,6 +154,8 @@ async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
         state.metrics.intake_seconds.observe(time.monotonic() - t0)
     sid, variant_of = await anyio.to_thread.run_sync(_register, state, hotkey, body, intake)
     state.metrics.intake.labels("accepted").inc()
+    if state.dispatcher is not None and hasattr(state.dispatcher, "wake"):
+        state.dispatcher.wake()  # claimed now, not at the end of an idle dispatcher's poll
     return JSONResponse(status_code=202, content={
         "id": sid, "status": "pending", "hotkey": hotkey, "profile": state.profile.name,
         "bundle_sha256": hashlib.sha256(body).hexdigest(), "source_sha256": intake.source_sha256,
