@@ -5,11 +5,12 @@ with the static gate switched off (``EvalOptions(static_gates=False)``, or the p
 alone) to show that the audit hooks and the sandbox stop them anyway.
 
 ``WHERE`` picks the child: ``param`` runs the attack in ``build_model`` (the parameter child
-builds the model first), ``rank`` in ``train`` (only the ranks call it), ``heldout`` in
-``build_model`` when ``ctx.artifacts_dir`` is empty (the held-out children), ``blind`` in the
-first forward of a process with an empty ``artifacts_dir`` that built one model whose weights
-no longer are the ones it was built with (only the blind probe's process builds a single model
-and loads the trained state into it: its batches have the held-out batches' shape).
+builds the model first), ``rank`` in ``train`` (only the ranks call it); ``heldout``, ``blind``
+and ``audit`` in the forward of a model whose weights are no longer the ones it was built with
+in a process that never trained it: a fresh child that loaded a state (every process sees the
+same context, so that is how a bundle can tell one). With the audit off, those are the held-out
+children (the scoring child loads the trained state first, then the blind probe's); with it
+on, the audit's re-scoring child is the first (it loads batch 1's snapshot).
 """
 
 ATTACKS = {
@@ -28,8 +29,7 @@ from torch import nn
 
 SALT = {salt!r}
 PORT = {port}
-FIRST = []
-BUILDS = []
+TRAINED = []  # this process took an optimizer step (a rank)
 
 
 def attack():
@@ -40,29 +40,24 @@ class Bigram(nn.Module):
     def __init__(self, v, ctx):
         super().__init__()
         self.table = nn.Embedding(v, v)
-        self.ctx = ctx
+        self.built = float(self.table.weight.detach().sum())
 
     def forward(self, tokens):
-        # the blind probe's process builds one model and loads the trained state into it
-        if {blind} and not FIRST and self.ctx.artifacts_dir == "" and len(BUILDS) == 1:
-            if float(self.table.weight.detach().sum()) != BUILDS[0]:
-                attack()
-        FIRST.append(1)
+        if ({heldout} or {blind} or {audit}) and not TRAINED and float(self.table.weight.detach().sum()) != self.built:
+            attack()
         return self.table(tokens)
 
 
 def build_model(ctx):
-    if {param} or ({heldout} and ctx.artifacts_dir == ""):
+    if {param}:
         attack()
-    model = Bigram(ctx.vocab_size, ctx)
-    BUILDS.append(float(model.table.weight.detach().sum()))
-    return model
+    return Bigram(ctx.vocab_size, ctx)
 '''
 
 TRAIN = '''
 import torch
 import torch.nn.functional as F
-from architecture import attack
+from architecture import TRAINED, attack
 
 
 def train(ctx):
@@ -76,13 +71,14 @@ def train(ctx):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        TRAINED.append(1)
 '''
 
 
 def write(root, attack, where, *, salt="", port=0):
     """Write the bundle for ``attack`` (a key of :data:`ATTACKS`) in child ``where``."""
     root.mkdir(parents=True, exist_ok=True)
-    flags = {w: str(w == where) for w in ("param", "rank", "heldout", "blind")}
+    flags = {w: str(w == where) for w in ("param", "rank", "heldout", "blind", "audit")}
     (root / "architecture.py").write_text(ARCH.format(salt=salt, port=port, attack=ATTACKS[attack], **flags))
     (root / "training.py").write_text(TRAIN.format(**flags))
     (root / "prism.yaml").write_text("tokenizer: bytes\n")

@@ -178,11 +178,23 @@ def test_the_ranks_stop_attacks_without_the_gate(tmp_path, salt, listener, attac
                                                ("rewrite", "blind")])
 def test_the_heldout_and_blind_children_stop_attacks_without_the_gate(tmp_path, salt, attack, where):
     root = bundles.write(tmp_path / "b", attack, where, salt=str(salt), port=os.getpid())
-    out = _eval(tmp_path, root)
+    out = _eval(tmp_path, root, audited_batches=0)  # the held-out children are the fresh ones
     assert out.failure is None, out.failure
     verdict = out.manifest["verdict"]
     assert verdict["final_score"] == 0.0 and "heldout_contract" in verdict["flags"]
     assert f"the runtime audit hook refused {EVENTS[attack]}" in verdict["heldout_error"]
+    assert not Path(f"/var/tmp/prism-planted-{os.getpid()}").exists()
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_the_audit_children_stop_attacks_without_the_gate(tmp_path, salt):
+    root = bundles.write(tmp_path / "b", "write_outside", "audit", salt=str(salt), port=os.getpid())
+    out = _eval(tmp_path, root)
+    assert out.failure is None, out.failure
+    verdict, audit = out.manifest["verdict"], out.manifest["audit"]
+    assert verdict["final_score"] == 0.0 and "audit" in verdict["flags"]
+    assert not audit["passed"] and "the runtime audit hook refused open" in (audit["error"] or ""), audit
     assert not Path(f"/var/tmp/prism-planted-{os.getpid()}").exists()
 
 
