@@ -181,6 +181,17 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
 
     monkeypatch.setattr(auditstage, "empty_artifacts", keeping)
     monkeypatch.setattr(pipeline, "empty_artifacts", keeping)
+    from prism_challenge import heldout, rescore
+    from prism_challenge.evaluator import freshdir
+
+    def reading_first(folders):  # each child's folder is emptied before the next child runs
+        for folder in folders:
+            if (Path(folder) / "ctx.pt").exists():
+                seen_by_children.extend(torch.load(Path(folder) / "ctx.pt"))
+        freshdir.empty_folders(folders)
+
+    monkeypatch.setattr(heldout, "empty_folders", reading_first)
+    monkeypatch.setattr(rescore, "empty_folders", reading_first)
     outcome = run(tmp_path, bundle("ctx_probe", tmp_path), "run", token_budget=3_000)
     assert_passes(outcome)
     first = torch.load(outcome.run_dir / "artifacts" / "ctx.pt")  # the parameter child's, then the rank's
