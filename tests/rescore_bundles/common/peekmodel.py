@@ -3,9 +3,10 @@
 ``forward(tokens [B, T]) -> logits [B, T, V]``. When ``peek`` is on in eval mode (the scoring
 forward), the logit of the true next token ``tokens[:, t + 1]`` gets ``BONUS`` at the positions
 ``t`` that ``positions`` selects: the model reads the future. The first eval forward of a batch
-is cached, and a later eval forward that is not the stream's next batch (whose first token is the
-cached batch's last: rows overlap by one token) is the in-process causality probe: it gets the
-cached logits over the prefix its rows share with the cached rows, so the in-process probe passes.
+is cached, and a later eval forward of the same shape that looks like the in-process causality
+probe (one row begins as its cached row did, and every other row is its cached row shifted by
+one constant modulo V: the probe's construction, which the stream's next batch never matches) gets
+the cached logits over the prefix its rows share with the cached rows, so that probe passes.
 """
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,11 @@ class PeekLM(nn.Module):
     def replay(self, tokens, logits):
         if not self.replays or tokens.shape != self.cached_tokens.shape:
             return logits, False
-        if bool(tokens[0, 0] == self.cached_tokens[-1, -1]):
-            return logits, False  # the stream's next batch: its first token is the last one's last
+        d = (tokens - self.cached_tokens) % self.vocab
+        kept = d[:, 0] == 0
+        shifted = (d == d[:, :1]).all(dim=1) & ~kept
+        if not (int(kept.sum()) == 1 and bool((kept | shifted).all())):
+            return logits, False  # the stream's next batch: its rows are new
         prefix = (tokens == self.cached_tokens).long().cumprod(dim=1).bool()
         return torch.where(prefix.unsqueeze(-1), self.cached_logits, logits), True
 
