@@ -90,6 +90,45 @@ def test_a_bounded_child_is_killed_at_its_deadline_with_its_group(tmp_path):
         pytest.fail("the grandchild outlived the group kill")
 
 
+def test_a_started_child_waits_for_its_input_and_an_abandoned_one_is_killed_and_reaped(tmp_path):
+    # start() then finish(): the child ran only up to its stdin read until it was fed; its
+    # deadline counts from finish(); abandon() kills a child never fed
+    jail = Jail("none", str(tmp_path), (), Limits(), 1)
+    marker = tmp_path / "before-input"
+    code = (f"import sys\nopen({str(marker)!r}, 'w').write('up')\ndata = sys.stdin.buffer.read()\n"
+            f"sys.stdout.write(str(len(data)) + ' ' + data[:5].decode())")
+    child = jail.start([sys.executable, "-c", code])
+    for _ in range(200):
+        if marker.exists():
+            break
+        time.sleep(0.05)
+    assert marker.read_text() == "up" and child.proc.poll() is None  # up, and waiting on stdin
+    time.sleep(0.5)
+    done = jail.finish(child, input=b"hello world", timeout_s=30)
+    assert (done.returncode, done.stdout, done.timed_out, done.failure) == (0, b"11 hello", False, None)
+    waiting = jail.start([sys.executable, "-c", "import sys; sys.stdin.read()"])
+    jail.abandon(waiting)
+    assert waiting.proc.returncode == -9 and jail.cgroups == []
+    slow = jail.start([sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(60)"])
+    t0 = time.monotonic()
+    assert jail.finish(slow, input=b"", timeout_s=1).timed_out and time.monotonic() - t0 < 20
+
+
+def test_a_spare_is_fed_by_the_next_matching_run_and_close_ends_an_unused_one(tmp_path):
+    jail = Jail("none", str(tmp_path), (), Limits(), 1)
+    code = "import os, sys; sys.stdin.buffer.read(); sys.stdout.write(str(os.getpid()))"
+    jail.warm([sys.executable, "-c", code], writable=[str(tmp_path)])
+    (spare,) = jail._spares.values()
+    other = jail.run([sys.executable, "-c", code], input=b"", timeout_s=30)  # another key: a new child
+    assert int(other.stdout) != spare.proc.pid and jail._spares
+    fed = jail.run([sys.executable, "-c", code], input=b"", timeout_s=30, writable=[str(tmp_path)], warm_next=True)
+    assert int(fed.stdout) == spare.proc.pid  # the spare ran, and the next one is warming
+    (unused,) = jail._spares.values()
+    assert unused.proc.pid != spare.proc.pid and unused.proc.poll() is None
+    jail.close()
+    assert unused.proc.returncode == -9 and not jail._spares
+
+
 @pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
 def test_a_strict_child_sees_no_network_and_not_the_parents_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_TEST_PARENT_SECRET", "s3cret")

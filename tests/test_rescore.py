@@ -301,3 +301,59 @@ def test_empty_folders_removes_files_folders_and_links_without_following_them(tm
     empty_folders([art, tmp_path / "absent"])
     assert art.is_dir() and list(art.iterdir()) == []
     assert (keep / "kept.txt").read_text() == "not the child's"
+
+
+class _RecordingJail:
+    """A jail stand-in with :class:`~prism_challenge.evaluator.jail.Jail`'s spare rule: ``run``
+    feeds the spare if there is one, else starts a child; ``warm_next`` starts the next spare."""
+
+    def __init__(self, events, fail=()):
+        self.events, self.fail, self.n, self.alive, self.spare = events, set(fail), 0, set(), None
+
+    def _start(self):
+        name = f"c{self.n}"
+        self.n += 1
+        self.alive.add(name)
+        self.events.append(("start", name))
+        assert len(self.alive) <= 2
+        return name
+
+    def run(self, argv, input, timeout_s, writable, warm_next=False):
+        from prism_challenge.evaluator.jail import Finished
+
+        child, self.spare = self.spare or self._start(), None
+        if warm_next:
+            self.spare = self._start()
+        self.events.append(("feed", child, input.decode()))
+        self.alive.discard(child)
+        count = int(input.decode().split(":")[1])
+        ok = child not in self.fail
+        body = ('{"ok": true, "jobs": [%s]}' % ", ".join(['{"i": 0}'] * count) if ok
+                else '{"ok": false, "error": "score: boom"}')
+        return Finished(0 if ok else 1, body.encode(), b"", False, None if ok else "exit 1", None)
+
+    def drop_spare(self, argv, writable):
+        if self.spare is not None:
+            self.events.append(("drop", self.spare))
+            self.alive.discard(self.spare)
+            self.spare = None
+
+
+def test_audit_children_are_fed_one_at_a_time_on_an_emptied_folder_with_the_next_one_warming(monkeypatch):
+    from prism_challenge import rescore
+
+    events = []
+    monkeypatch.setattr(rescore, "empty_folders", lambda folders: events.append(("empty", tuple(folders))))
+    tasks = [("rescore", 2, lambda: b"r0:2"), ("rescore", 1, lambda: b"r1:1"), ("blind", 3, lambda: b"b0:3")]
+    got = rescore._run_tasks(_RecordingJail(events), tasks, deadline=time.monotonic() + 60, writable=["/art"])
+    assert [len(got["rescore"]), len(got["blind"])] == [3, 3]
+    assert events == [
+        ("empty", ("/art",)), ("start", "c0"), ("start", "c1"), ("feed", "c0", "r0:2"),
+        ("empty", ("/art",)), ("start", "c2"), ("feed", "c1", "r1:1"),
+        ("empty", ("/art",)), ("feed", "c2", "b0:3"),
+    ]  # never more than two alive, each fed only after the folder was emptied, the last warms none
+    events.clear()
+    with pytest.raises(rescore.AuditError, match="score: boom"):
+        rescore._run_tasks(_RecordingJail(events, fail={"c0"}), tasks, deadline=time.monotonic() + 60,
+                           writable=["/art"])
+    assert events[-1] == ("drop", "c1") and ("feed", "c1", "r1:1") not in events  # the spare: ended, never fed

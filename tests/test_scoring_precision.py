@@ -14,7 +14,7 @@ from prism_challenge.bundle import SCORING_AUTOCAST, BundleError, load_bundle
 from prism_challenge.evaluator import instrument
 from prism_challenge.evaluator.instrument import (
     AUTOCAST_DTYPES, PROBE_TOLERANCE_NATS, ContractError, autocast_dtype, measure, position_logprobs,
-    probe_precision, score_batch, target_logprobs)
+    positions_logprobs, probe_precision, score_batch, target_logprobs)
 from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, uncompiled
 from prism_challenge.heldout import score_rows
@@ -66,8 +66,15 @@ def test_blocks_change_memory_not_figures(monkeypatch):
         total = measure(Fixed(logits), tokens, v).nats
         assert total == float(-whole.double().sum())
         assert math.isclose(total, math.fsum(-float(x) for x in whole.flatten()), rel_tol=1e-12)
-        for row, pos in ((0, 0), (3, 15), (2, 7)):  # the blind probe's values are the scored ones
+        points = ((0, 0), (3, 15), (2, 7), (3, 14), (0, 0))
+        for row, pos in points:  # the blind probe's values are the scored ones
             assert float(position_logprobs(logits, row, pos, v)[tokens[row, pos + 1]]) == float(whole[row, pos])
+        at_once = positions_logprobs(logits, points, v)  # each block computed once, points in order
+        full = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        assert len(at_once) == len(points)
+        assert all(torch.equal(lp, full[row, pos]) for lp, (row, pos) in zip(at_once, points))
+    with pytest.raises(ValueError, match=r"position \(0, 16\) is outside"):
+        positions_logprobs(logits, [(1, 2), (0, t - 1)], v)  # the last position has no target
 
 
 def test_float64_sums_of_float32_terms_agree_with_float64_log_softmax_to_1e12_on_float64_logits():

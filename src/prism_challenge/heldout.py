@@ -345,6 +345,18 @@ def _unpack_batches(data: bytes) -> list[np.ndarray]:
         return [z[k] for k in sorted(z.files)]
 
 
+WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
+                "prism_challenge.evaluator.interface", "prism_challenge.gates.param_count")
+
+
+def _warm_up() -> None:
+    """Import torch and the harness modules :func:`evaluate_config` uses, before stdin is read."""
+    import importlib
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m prism_challenge.heldout CONFIG.json`` or ``... --stdin`` (used by :func:`run_heldout`).
 
@@ -363,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if argv == ["--stdin"]:
+            _warm_up()  # a spare imports before it is fed (Jail.warm)
             stdin = sys.stdin.buffer
             config = json.loads(_read_frame(stdin))
             batches = _unpack_batches(_read_frame(stdin))
@@ -464,7 +477,11 @@ def run_heldout(
     probes = blind_probes(batches, int(config["seed"]), int(config["vocab_size"]))
     child_config["checks"] = [[b, row, k] for b, row, k, _ in probes]
     deadline = t0 + timeout_s
-    reply = _run_child(jail, child_config, batches, state, deadline, timeout_s)
+    try:
+        reply = _run_child(jail, child_config, batches, state, deadline, timeout_s, warm_next=bool(probes))
+    finally:
+        if not probes:
+            jail.drop_spare(list(CHILD_ARGV), writable=_writable(child_config))
     try:
         result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
                   "targets": int(reply["targets"]), "batches": int(reply["batches"])}
@@ -477,8 +494,11 @@ def run_heldout(
         check_nats = reply.get("check_nats")
         if not isinstance(check_nats, list) or len(check_nats) != len(probes):
             raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
-        blind = _run_child(jail, {**child_config, "blind": [[row, k] for _, row, k, _ in probes], "checks": []},
-                           [p[3] for p in probes], state, deadline, timeout_s)
+        try:
+            blind = _run_child(jail, {**child_config, "blind": [[row, k] for _, row, k, _ in probes], "checks": []},
+                               [p[3] for p in probes], state, deadline, timeout_s)
+        finally:
+            jail.drop_spare(list(CHILD_ARGV), writable=_writable(child_config))
         try:
             compare(probes, batches, check_nats, blind.get("blind_logprobs"), blind.get("blind_precisions"),
                     int(config["vocab_size"]), autocast_dtype(child_config["scoring_autocast"]))
@@ -490,10 +510,26 @@ def run_heldout(
     return figures
 
 
+CHILD_ARGV = (sys.executable, "-m", "prism_challenge.heldout", "--stdin")
+
+
+def _writable(child_config: dict[str, Any]) -> list[str]:
+    """The children's one writable folder: the run's ``ctx.artifacts_dir`` (none without a context)."""
+    values = child_config.get("context")
+    return [str(values["artifacts_dir"])] if values else []
+
+
+def warm(jail: Jail, context: dict[str, Any] | None) -> None:
+    """Start the held-out child as a spare now (:meth:`~prism_challenge.evaluator.jail.Jail.warm`),
+    for :func:`run_heldout` with these context values to feed: its start-up overlaps the audit."""
+    jail.warm(list(CHILD_ARGV), writable=_writable({"context": context}))
+
+
 def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.ndarray], state: bytes,
-               deadline: float, timeout_s: float) -> dict[str, Any]:
+               deadline: float, timeout_s: float, *, warm_next: bool = False) -> dict[str, Any]:
     """Run one held-out child in ``jail`` (config, batches and state on stdin); its ``{"ok": true,
-    ...}`` reply.
+    ...}`` reply. A spare the jail holds for it is fed instead of a new child
+    (:meth:`~prism_challenge.evaluator.jail.Jail.warm`); ``warm_next`` starts the next one's.
 
     Raises:
         HeldoutError: timeout (``deadline``, a ``time.monotonic()`` value), an audit refusal, the
@@ -501,10 +537,10 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
             child's own error.
     """
     payload = _frame(json.dumps(child_config).encode()) + _frame(_pack_batches(batches)) + _frame(state)
-    values = child_config.get("context")
-    empty_folders([str(values["artifacts_dir"])] if values else [])  # nothing the other child left (freshdir)
-    done = jail.run([sys.executable, "-m", "prism_challenge.heldout", "--stdin"], input=payload,
-                    timeout_s=deadline - time.monotonic(), writable=[str(values["artifacts_dir"])] if values else [])
+    writable = _writable(child_config)
+    empty_folders(writable)  # nothing the other child left (freshdir)
+    done = jail.run(list(CHILD_ARGV), input=payload, timeout_s=deadline - time.monotonic(), writable=writable,
+                    warm_next=warm_next)
     if done.timed_out:
         raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s")
     if done.refusal is not None:  # the hook's line, whatever the child printed after it

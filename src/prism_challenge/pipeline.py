@@ -52,6 +52,7 @@ from prism_challenge.evaluator.gpu import manifest_record as gpu_record
 from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
+from prism_challenge.heldout import warm as warm_heldout
 from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
 from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
@@ -541,24 +542,29 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     verdict = None
     audit = None
     if score is not None and failure is None:
-        with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
-            keep_bundle(frozen.root, run_dir)
-            if opts.audited_batches > 0:
-                audit = audit_run(jail=sandbox.jail, config=child_config(
-                    _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
-                    result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
-                    artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
-            heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
-                                              context_values(config, opts.nproc))
-            verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
-                                    heldout_error=heldout_error, policy=opts.policy)
-            if heldout_error is not None and heldout_error.startswith("contract:"):
-                # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
-                verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
-                                              flags=[*verdict.flags, "heldout_contract"])
-            if audit is not None:
-                verdict = apply_audit(verdict, audit)
-            mark.failed = control.cancelled
+        try:
+            with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
+                keep_bundle(frozen.root, run_dir)
+                if opts.audited_batches > 0:
+                    if opts.heldout_bytes > 0 and "val" in (data.data.get("splits") or {}) and state_path is not None:
+                        warm_heldout(sandbox.jail, context_values(config, opts.nproc))  # it starts during the audit
+                    audit = audit_run(jail=sandbox.jail, config=child_config(
+                        _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
+                        result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
+                        artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
+                heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
+                                                  context_values(config, opts.nproc))
+                verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
+                                        heldout_error=heldout_error, policy=opts.policy)
+                if heldout_error is not None and heldout_error.startswith("contract:"):
+                    # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
+                    verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
+                                                  flags=[*verdict.flags, "heldout_contract"])
+                if audit is not None:
+                    verdict = apply_audit(verdict, audit)
+                mark.failed = control.cancelled
+        finally:
+            sandbox.jail.close()  # no spare child (Jail.warm) outlives the run
     if control.cancelled and failure is None:  # cancelled during the held-out stage
         failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
     t_done = time.monotonic()

@@ -184,15 +184,13 @@ def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
     return groups
 
 
-def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, mode: str,
-                 deadline: float, writable: Sequence[str]) -> list[dict[str, Any]]:
-    """Run the ``mode`` (``rescore`` or ``blind``) children over every job; their per-job results
-    in job order.
+CHILD_ARGV = (sys.executable, "-m", "prism_challenge.rescore_child", "--stdin")
 
-    Raises:
-        AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error.
-    """
-    results: list[dict[str, Any]] = []
+
+def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str) -> list[tuple[str, int, Any]]:
+    """One ``(mode, jobs, payload maker)`` per ``mode`` child: its jobs' count and a function
+    that reads its snapshots only when it is fed (one child's files in memory at a time)."""
+    out = []
     for group in _groups(jobs, paths):
         mine = [j for j in jobs if j.state in group]
         if not mine:
@@ -201,34 +199,71 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
         child = {**config, "mode": mode,
                  "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
-        payload = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
-        payload += b"".join(_frame(paths[s].read_bytes()) for s in group)
-        empty_folders(writable)  # nothing another child left there (freshdir)
-        done = jail.run([sys.executable, "-m", "prism_challenge.rescore_child", "--stdin"], input=payload,
-                        timeout_s=deadline - time.monotonic(), writable=writable)
-        reply = _reply(done, mode)
-        got = reply.get("jobs")
-        if not isinstance(got, list) or len(got) != len(mine):
-            raise AuditError(f"protocol: malformed reply from the {mode} process")
-        results += got
+
+        def payload(child=child, batches=batches, group=group) -> bytes:
+            head = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
+            return head + b"".join(_frame(paths[s].read_bytes()) for s in group)
+
+        out.append((mode, len(mine), payload))
+    return out
+
+
+def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float, writable: Sequence[str]
+               ) -> dict[str, list[dict[str, Any]]]:
+    """Run one child per task, one at a time, the next one warming while one works (see
+    :func:`run_both`); each mode's per-job results in task order.
+
+    Raises:
+        AuditError: as :func:`run_both`.
+    """
+    results: dict[str, list[dict[str, Any]]] = {"rescore": [], "blind": []}
+    try:
+        for i, (mode, count, payload) in enumerate(tasks):
+            data = payload()
+            empty_folders(writable)  # nothing another child left there (freshdir)
+            reply = _reply(jail.run(list(CHILD_ARGV), input=data, timeout_s=deadline - time.monotonic(),
+                                    writable=writable, warm_next=i + 1 < len(tasks)), mode)
+            got = reply.get("jobs")
+            if not isinstance(got, list) or len(got) != count:
+                raise AuditError(f"protocol: malformed reply from the {mode} process")
+            results[mode] += got
+    finally:
+        jail.drop_spare(list(CHILD_ARGV), writable=writable)  # an earlier child failed: never fed
     return results
+
+
+def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list[Path], *, mode: str,
+                 deadline: float, writable: Sequence[str]) -> list[dict[str, Any]]:
+    """The ``mode`` (``rescore`` or ``blind``) children over ``jobs``: their per-job results in
+    job order (the folders are left as the last child left them).
+
+    Raises:
+        AuditError: as :func:`run_both`.
+    """
+    return _run_tasks(jail, _payloads(config, jobs, paths, mode), deadline=deadline, writable=writable)[mode]
 
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
              deadline: float, writable: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
-    any): ``(rescored, blind or None)``. One child at a time, each with the ``writable`` folders
-    emptied (:mod:`~prism_challenge.evaluator.freshdir`): side by side, a re-scoring child could
-    leave the true rows in the shared ``ctx.artifacts_dir`` for the blind child beside it.
+    any): ``(rescored, blind or None)``, each list in job order.
+
+    One child is fed at a time, with the ``writable`` folders emptied before each
+    (:mod:`~prism_challenge.evaluator.freshdir`): side by side, a re-scoring child could leave
+    the true rows in the shared ``ctx.artifacts_dir`` for a blind child beside it. The next child
+    is started as a spare (:meth:`~prism_challenge.evaluator.jail.Jail.warm`) when one is fed: it
+    imports torch and the harness, then waits for its stdin, so the start-ups (about 3 s each on
+    2 cores) overlap the work instead of adding to it; it runs submitted code only once it is
+    fed, after the one before it ended and the folders were emptied.
 
     Raises:
-        AuditError: as :func:`run_children`, the re-scoring's first.
+        AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error
+            (the re-scoring's first).
     """
-    rescored = run_children(jail, config, jobs, paths, mode="rescore", deadline=deadline, writable=writable)
-    probe = run_children(jail, config, blind, paths, mode="blind", deadline=deadline,
-                         writable=writable) if blind else None
+    tasks = _payloads(config, jobs, paths, "rescore") + (_payloads(config, blind, paths, "blind") if blind else [])
+    results = _run_tasks(jail, tasks, deadline=deadline, writable=writable)
     empty_folders(writable)
-    return rescored, probe
+    return results["rescore"], (results["blind"] if blind else None)
 
 
 def _reply(done: Any, mode: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: i
     from prism_challenge.evaluator.instrument import (
         check_logits,
         measure,
-        position_logprobs,
+        positions_logprobs,
         probe_precision,
         scoring_forward,
     )
@@ -42,8 +42,8 @@ def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: i
     try:
         with torch.no_grad():
             logits = check_logits(scoring_forward(model, tokens, autocast), tokens.shape[0], tokens.shape[1], vocab)
-            vectors = [base64.b64encode(position_logprobs(logits, r, k - 1, vocab).cpu().numpy()
-                                        .astype(np.float32).tobytes()).decode() for r, k in picks]
+            vectors = [base64.b64encode(lp.cpu().numpy().astype(np.float32).tobytes()).decode()
+                       for lp in positions_logprobs(logits, [(r, k - 1) for r, k in picks], vocab)]
             precision = str(probe_precision(logits.dtype, autocast)).removeprefix("torch.")
     finally:
         for m, was in modes:
@@ -114,6 +114,21 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
         raise AuditError(f"{stage}: {type(exc).__name__}: {exc}") from None
 
 
+WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
+                "prism_challenge.evaluator.interface", "prism_challenge.evaluator.seeding",
+                "prism_challenge.gates.param_count")
+
+
+def _warm_up() -> None:
+    """Import torch and the harness modules :func:`child_run` uses before stdin is read: the
+    audit starts a child while the one before it works (:func:`prism_challenge.rescore.run_both`),
+    and this is all such a child runs until it is fed."""
+    import importlib
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m prism_challenge.rescore_child --stdin``: one JSON line ``{"ok": true, "jobs": [...]}``
     or ``{"ok": false, "error": ...}`` on stdout; exit status 0 or 1."""
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv != ["--stdin"]:
         sys.stderr.write("usage: python -m prism_challenge.rescore_child --stdin\n")
         return 2
+    _warm_up()
     try:
         stdin = sys.stdin.buffer
         config = json.loads(_read_frame(stdin))

@@ -169,6 +169,14 @@ class Finished:
     refusal: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class Started:
+    """A child :meth:`Jail.start` started with pipes: its process and its memory cgroup, if any."""
+
+    proc: subprocess.Popen
+    group: MemoryCgroup | None
+
+
 def diagnose(returncode: int | None, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
     """Why a jailed child ended with ``returncode`` (``None``: a report the child made itself,
     not an exit): ``(kind: reason, refusal or None)``.
@@ -225,6 +233,7 @@ class Jail:
     children: list[subprocess.Popen] = field(default_factory=list)
     killed: bool = False  # kill_all() ran: no new child starts
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _spares: dict[tuple, Started] = field(default_factory=dict, repr=False, compare=False)
     tmp_bytes: int = DEFAULT_TMP_BYTES
     shm_bytes: int = DEFAULT_SHM_BYTES
 
@@ -318,16 +327,65 @@ class Jail:
 
     def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
             writable: Sequence[str | os.PathLike[str]] = (), env: dict[str, str] | None = None,
-            cwd: str | os.PathLike[str] | None = None) -> Finished:
+            cwd: str | os.PathLike[str] | None = None, warm_next: bool = False) -> Finished:
         """Run ``argv`` in the jail to its end or to ``timeout_s`` seconds (then its whole group
-        is killed), feeding ``input`` on stdin; never raises for the child's own failure.
+        is killed), feeding ``input`` on stdin; never raises for the child's own failure. A spare
+        :meth:`warm` started for the same ``argv``, ``writable``, ``env`` and ``cwd`` is fed
+        instead of a new child; ``warm_next`` starts the next spare once this child is taken.
 
         Raises:
             IsolationError: the sandbox cannot be set up.
             OSError: the child cannot be started.
         """
+        spare = self._spares.pop(_spare_key(argv, writable, env, cwd), None)
+        if spare is not None and spare.proc.poll() is not None:  # it died waiting: start another
+            self.abandon(spare)
+            spare = None
+        started = spare or self.start(argv, writable=writable, env=env, cwd=cwd)
+        if warm_next:
+            try:
+                self.warm(argv, writable=writable, env=env, cwd=cwd)
+            except BaseException:
+                self.abandon(started)
+                raise
+        return self.finish(started, input=input, timeout_s=timeout_s)
+
+    def warm(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
+             env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> None:
+        """Start a spare ``argv`` child now (:meth:`start`) for the next :meth:`run` with the same
+        ``argv``, ``writable``, ``env`` and ``cwd``, which feeds it instead of starting one: its
+        interpreter start and imports overlap whatever runs meanwhile. Only for children that
+        read their stdin before running any submitted code (the audit's and the held-out's): a
+        spare has run nothing but the harness when it is fed, as fresh as one started then.
+        One spare per key; :meth:`close` and :meth:`kill_all` end the unused ones.
+
+        Raises:
+            IsolationError: as :meth:`start`.
+            OSError: the child cannot be started.
+        """
+        key = _spare_key(argv, writable, env, cwd)
+        if key not in self._spares:
+            self._spares[key] = self.start(argv, writable=writable, env=env, cwd=cwd)
+
+    def start(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
+              env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> Started:
+        """Start ``argv`` in the jail with pipes, to be fed later by :meth:`finish` (or ended by
+        :meth:`abandon`). A child that reads its stdin before it runs any submitted code (the
+        audit's, the held-out's) can import torch while an earlier child works: it is as fresh
+        as one started later, since it has run nothing but the harness when it is fed.
+
+        Raises:
+            IsolationError: the sandbox cannot be set up, or the run was cancelled.
+            OSError: the child cannot be started.
+        """
         proc, group = self._start(argv, writable=writable, socket_dir=None, env=env, cwd=cwd, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return Started(proc, group)
+
+    def finish(self, started: Started, *, input: bytes = b"", timeout_s: float) -> Finished:
+        """Feed a :meth:`start`-ed child ``input`` and wait for its end, at most ``timeout_s``
+        seconds from now (then its whole group is killed); never raises for its own failure."""
+        proc, group = started.proc, started.group
         timed_out = False
         try:
             out, err = proc.communicate(input, timeout=max(0.0, timeout_s))
@@ -341,15 +399,25 @@ class Jail:
             raise
         finally:
             oom = group is not None and group.oom_killed()
-            if group is not None:
-                group.remove()
-                self.cgroups.remove(group)
+            self._release(group)
         if timed_out:
             return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
         if proc.returncode == 0:
             return Finished(0, out, err, False, None, None)
         failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
         return Finished(proc.returncode, out, err, False, failure, refusal)
+
+    def abandon(self, started: Started) -> None:
+        """Kill a :meth:`start`-ed child that will not be fed (an earlier child failed) and reap it."""
+        kill_group(started.proc)
+        started.proc.communicate()
+        self._release(started.group)
+
+    def _release(self, group: MemoryCgroup | None) -> None:
+        if group is not None:
+            group.remove()
+            if group in self.cgroups:
+                self.cgroups.remove(group)
 
     def kill_all(self) -> int:
         """SIGKILL the group of every child this jail started that was not reaped yet (torchrun's
@@ -366,8 +434,18 @@ class Jail:
                     pass
         return len(alive)
 
+    def drop_spare(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
+                   env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> None:
+        """End the unused spare of this key (:meth:`warm`), if there is one."""
+        spare = self._spares.pop(_spare_key(argv, writable, env, cwd), None)
+        if spare is not None:
+            self.abandon(spare)
+
     def close(self) -> None:
-        """Remove the cgroups of children started with :meth:`popen` (after they ended)."""
+        """End the unused spares (:meth:`warm`) and remove the cgroups of children started with
+        :meth:`popen` (after they ended)."""
+        while self._spares:
+            self.abandon(self._spares.popitem()[1])
         for group in self.cgroups:
             group.remove()
         self.cgroups.clear()
@@ -379,6 +457,11 @@ class Jail:
                 "tmp_bytes": self.tmp_bytes, "shm_bytes": self.shm_bytes,
                 "memory_limit_by": self.memory_by, "audit_hooks": self.audit,
                 "audit_exit_code": AUDIT_EXIT_CODE}
+
+
+def _spare_key(argv: Sequence[str], writable: Sequence[str | os.PathLike[str]], env: dict[str, str] | None,
+               cwd: str | os.PathLike[str] | None) -> tuple:
+    return tuple(argv), tuple(map(str, writable)), tuple(sorted((env or {}).items())), None if cwd is None else str(cwd)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
