@@ -115,6 +115,10 @@ class Store:
         url: a SQLAlchemy URL (``sqlite:///path``, ``postgresql+psycopg://...``); ``None``:
             :func:`default_url`. A SQLite file's folder is created.
 
+    Each connection taken from the pool is pinged first (SQLAlchemy's ``pool_pre_ping``): one
+    the server ended while it sat in the pool (a restart, a dropped link,
+    ``pg_terminate_backend``) is replaced, not handed to the next caller as an error.
+
     Raises:
         sqlalchemy.exc.ArgumentError: a malformed URL.
     """
@@ -123,7 +127,7 @@ class Store:
         self.url = url or default_url()
         if self.url.startswith("sqlite:///") and self.url != "sqlite:///:memory:":
             Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.engine: Engine = create_engine(self.url)
+        self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
