@@ -129,6 +129,25 @@ def test_a_dropped_connection_during_the_result_write_leaves_exactly_one_run(sto
         assert [(a.number, a.outcome) for a in store.attempts(s)] == [(1, "completed")]
 
 
+def test_a_result_whose_text_no_database_stores_is_written_with_it_replaced(store):
+    """A failure's message is the bundle's own exception text: a NUL (PostgreSQL's text refuses
+    it) or a lone surrogate (no driver encodes it) must not fail the write on every retry."""
+    text = "ValueError: a\x00b\ud800c"
+    sid, other = store.submit(HOTKEY, SHA), store.submit(HOTKEY, SHA)
+    rejected = failure_result(EvalFailure("gates", text))
+    done = store.record(store.claim(sid).token, rejected)
+    assert (done.status, done.reason) == ("rejected", "written")
+    (attempt,) = store.attempts(sid)
+    assert attempt.failure_message == store.submission(sid).error_message == "ValueError: a\ufffdb\ufffdc"
+    assert store.result_of(sid).manifest["failure"]["message"] == text  # JSON escapes them: the exact text
+    assert store.record(attempt.token, rejected).reason == "duplicate"
+    retried = failure_result(EvalFailure("dispatch", text + "x" * 100_000))
+    claim = store.claim(other)
+    assert store.record(claim.token, retried).status == "pending"
+    assert store.record(claim.token, retried).reason == "duplicate"
+    assert len(store.attempts(other)[0].failure_message) == len(text) + 100_000
+
+
 def test_infrastructure_failures_retry_to_the_cap_with_every_reason_and_a_submission_fault_is_final(store):
     sid = store.submit(HOTKEY, SHA, max_attempts=5)
     for n in (1, 2):
