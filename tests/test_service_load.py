@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 N, CLIENTS = 50, 5
 PROFILE = "fleet-load"
 LOAD_TOML = (PROFILE_TOML.replace('name = "fleet-test"', f'name = "{PROFILE}"')
-             .replace("token_budget = 4096", "token_budget = 512")  # one batch of 4 x 128 tokens
+             .replace("token_budget = 4096", "token_budget = 509")  # one batch: 4 rows of 128 sharing 3 tokens
              .replace("bytes = 4000", "bytes = 0"))  # no held-out child (0 turns the held-out delta off)
 
 
