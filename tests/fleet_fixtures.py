@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 from fixtures_data import make_rows, write_jsonl, write_salt
@@ -56,28 +57,50 @@ bytes = 4000
 """
 
 
+TRIVIAL = REPO / "bench" / "bundles" / "trivial" / "architecture.py"
+
+
+def fixture_data(root: Path) -> Path:
+    """The prepared fixture data directory under ``root`` (400 generated documents)."""
+    src = write_jsonl(root / "docs.jsonl", make_rows(400, seed=11))
+    data = root / "data"
+    prepare([src], data, salt_file=write_salt(root / "salt"))
+    return data
+
+
+def trivial_bundle(folder: Path, lr: float = 0.05) -> tuple[Path, bytes]:
+    """The tiny bundle (bench/bundles/trivial's model, batches of 4 x 128 tokens, SGD at
+    ``lr``) written in ``folder``, and its zip."""
+    bundle = write_bundle(folder, TRIVIAL.read_text(), batch=4, seq_len=128, lr=lr)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in sorted(bundle.iterdir()):
+            z.write(f, f.name)
+    return bundle, buf.getvalue()
+
+
+def direct_evaluate(bundle: Path, data: Path, profile, out_dir: Path):
+    """``evaluate()`` of ``bundle`` under ``profile`` as the service runs it (strict isolation),
+    in this process; asserts it scored."""
+    t0 = time.monotonic()
+    direct = evaluate(EvalOptions(bundle=str(bundle), data_dir=str(data), out_dir=str(out_dir), isolation="strict",
+                                  profile=profile, profile_overridden=[], **profile.options))
+    assert direct.status == "scored", direct.failure
+    print(f"direct evaluate(): {time.monotonic() - t0:.1f} s")
+    return direct
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The fixture data directory, the profile, the tiny bundle (folder and zip) and its direct
     ``evaluate()`` result (run before any Ray starts)."""
     root = tmp_path_factory.mktemp("fleet")
-    src = write_jsonl(root / "docs.jsonl", make_rows(400, seed=11))
-    data = root / "data"
-    prepare([src], data, salt_file=write_salt(root / "salt"))
+    data = fixture_data(root)
     (root / "fleet-test.toml").write_text(PROFILE_TOML)
     profile = load_profile(str(root / "fleet-test.toml"))
-    arch = (REPO / "bench" / "bundles" / "trivial" / "architecture.py").read_text()
-    bundle = write_bundle(root / "bundle", arch, batch=4, seq_len=128, lr=0.05)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for f in sorted(bundle.iterdir()):
-            z.write(f, f.name)
-    t0 = time.monotonic()
-    direct = evaluate(EvalOptions(bundle=str(bundle), data_dir=str(data), out_dir=str(root / "direct"),
-                                  isolation="strict", profile=profile, profile_overridden=[], **profile.options))
-    assert direct.status == "scored", direct.failure
-    print(f"direct evaluate(): {time.monotonic() - t0:.1f} s")
-    return {"root": root, "data": str(data), "profile": profile, "zip": buf.getvalue(), "direct": direct}
+    bundle, zipped = trivial_bundle(root / "bundle")
+    direct = direct_evaluate(bundle, data, profile, root / "direct")
+    return {"root": root, "data": str(data), "profile": profile, "zip": zipped, "direct": direct}
 
 
 @pytest.fixture

@@ -24,8 +24,10 @@ TOKEN = "gateway-secret-token"
 
 
 @contextmanager
-def live_server(tmp_path: Path, **overrides):
-    """Yield ``(base_url, app)`` of a real server over a SQLite file and blobs under ``tmp_path``."""
+def live_server(tmp_path: Path, start_timeout_s: float = 30.0, **overrides):
+    """Yield ``(base_url, app)`` of a real server over a SQLite file (or ``database_url``) and
+    blobs under ``tmp_path``; ``overrides`` are more settings. ``start_timeout_s``: how long its
+    start (the lifespan: the dispatcher's Ray too, with ``dispatch=True``) may take."""
     given = {"database_url": f"sqlite:///{tmp_path / 'db' / 'prism.sqlite3'}", "blob_root": tmp_path / "blobs",
              "dispatch": False, "internal_token": TOKEN, "profile": "local", **overrides}
     settings = ServiceSettings(**given)
@@ -34,7 +36,7 @@ def live_server(tmp_path: Path, **overrides):
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
@@ -44,7 +46,7 @@ def live_server(tmp_path: Path, **overrides):
         yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=max(30.0, start_timeout_s))
 
 
 def zip_dir(root: Path, folder: str | None = None) -> bytes:

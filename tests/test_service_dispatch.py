@@ -3,10 +3,12 @@ real local Ray (2 CPUs, one per module), a real SQLite file, real strict-isolati
 bundle on fixture data. End to end against ``evaluate()`` run directly (bit-exact); the Ray
 worker SIGKILLed mid-run; the service process SIGKILLed mid-run and a new dispatcher
 reconciling (a running attempt adopted, a lost one re-dispatched, one that finished while no
-dispatcher ran collected). Every test asserts the database: attempts and runs per submission."""
+dispatcher ran collected); the database connection dropped while the dispatcher writes a result,
+before and after the commit. Every test asserts the database: attempts and runs per submission."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -147,3 +149,40 @@ def test_a_sigkilled_service_is_reconciled_by_the_next_dispatcher(world, service
     assert lookup("f" * 32) is not None
     ray.kill(lookup("f" * 32), no_restart=True)
 
+
+
+def test_a_dropped_database_connection_during_the_dispatchers_result_write_is_retried(world, service, caplog):
+    """Two real results, each written by the dispatcher's loop over a dropped connection: one
+    before its commit (lost, written again), one after it (stored; the retried write is a
+    duplicate). On PostgreSQL the dispatcher's server process is ended (tests/db_faults.py)."""
+    from db_faults import DroppedResultWrite
+
+    from prism_challenge.service.watch import unowned
+
+    store, blobs, make = service
+    lost, unanswered = submit(store, blobs, world["zip"]), submit(store, blobs, world["zip"])
+    drops = DroppedResultWrite(store, {lost: "before", unanswered: "after"})
+    d = make()
+    try:
+        with caplog.at_level(logging.INFO, logger="prism_challenge.service"):
+            d.start()
+            final(store, lost, unanswered)
+            wait(lambda: not d.in_flight and not named_actors(), "the attempts' actors to be killed", timeout=60)
+    finally:
+        drops.remove()
+    postgres = store.engine.dialect.name == "postgresql"
+    assert sorted((sid, when, pid is not None) for sid, when, pid in drops.fired) == [
+        (lost, "before", postgres), (unanswered, "after", postgres)]
+    rounds = [r for r in caplog.records if "a round failed; retrying" in r.getMessage()]
+    assert len(rounds) == 2 and all(r.exc_info[0].__name__ == "OperationalError" for r in rounds)
+    writes = [r.getMessage() for r in caplog.records if " -> completed (" in r.getMessage()]
+    assert sorted(writes) == sorted([f"submission {lost}: attempt 1 scored -> completed (written)",
+                                     f"submission {unanswered}: attempt 1 scored -> completed (duplicate)"])
+    assert not [r for r in caplog.records if "discarded" in r.getMessage()]
+    for sid in (lost, unanswered):
+        assert store.submission(sid).status == "completed" and counts(store, sid) == (1, 1)
+        (attempt,) = store.attempts(sid)
+        assert attempt.outcome == "completed" and store.result_of(sid).attempt_id == attempt.id
+        assert_same_as_direct(store, sid, world["direct"])
+    assert store.running() == [] and unowned(store) == []
+    assert d._thread.is_alive()  # the loop lived through both drops

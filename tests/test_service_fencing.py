@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from sqlalchemy import event, func, select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from prism_challenge.failures import EvalFailure
@@ -103,31 +103,49 @@ def test_a_write_is_idempotent_and_another_result_for_a_written_attempt_is_refus
 
 
 def test_a_dropped_connection_during_the_result_write_leaves_exactly_one_run(store):
-    sid = store.submit(HOTKEY, SHA)
-    claim = store.claim()
-    fail = {"before": 1, "after": 1}
+    """On PostgreSQL the writer's server process is really ended (pg_terminate_backend); on
+    SQLite the error is injected (tests/db_faults.py)."""
+    from db_faults import DroppedResultWrite
 
-    def before_commit(_session):
-        if fail["before"]:
-            fail["before"] -= 1
-            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+    sid, other = store.submit(HOTKEY, SHA), store.submit(HOTKEY, SHA)
+    claim, second = store.claim(sid), store.claim(other)
+    drops = DroppedResultWrite(store, {sid: "before", other: "after"})
+    try:
+        with pytest.raises(OperationalError):
+            store.record(claim.token, _scored())  # rolled back: nothing written
+        assert store.submission(sid).status == "running" and _runs(store, sid) == 0
+        with pytest.raises(OperationalError):
+            store.record(second.token, _scored())  # committed, but the caller never heard back
+        assert store.submission(other).status == "completed" and _runs(store, other) == 1
+    finally:
+        drops.remove()
+    postgres = store.engine.dialect.name == "postgresql"
+    assert [(s, when, pid is not None) for s, when, pid in drops.fired] == [
+        (sid, "before", postgres), (other, "after", postgres)]
+    assert store.record(claim.token, _scored()).reason == "written"  # the dispatcher's retries
+    assert store.record(second.token, _scored()).reason == "duplicate"
+    for s in (sid, other):
+        assert store.submission(s).status == "completed" and _runs(store, s) == 1
+        assert [(a.number, a.outcome) for a in store.attempts(s)] == [(1, "completed")]
 
-    def after_commit(_session):
-        if fail["after"]:
-            fail["after"] -= 1
-            raise OperationalError("COMMIT", {}, Exception("connection lost after the commit"))
 
-    event.listen(store.sessions, "before_commit", before_commit)
-    with pytest.raises(OperationalError):
-        store.record(claim.token, _scored())  # rolled back: nothing written
-    assert store.submission(sid).status == "running" and _runs(store, sid) == 0
-    event.remove(store.sessions, "before_commit", before_commit)
-    event.listen(store.sessions, "after_commit", after_commit)
-    with pytest.raises(OperationalError):
-        store.record(claim.token, _scored())  # committed, but the caller never heard back
-    event.remove(store.sessions, "after_commit", after_commit)
-    assert store.record(claim.token, _scored()).reason == "duplicate"  # the dispatcher's retry
-    assert store.submission(sid).status == "completed" and _runs(store, sid) == 1
+def test_a_result_whose_text_no_database_stores_is_written_with_it_replaced(store):
+    """A failure's message is the bundle's own exception text: a NUL (PostgreSQL's text refuses
+    it) or a lone surrogate (no driver encodes it) must not fail the write on every retry."""
+    text = "ValueError: a\x00b\ud800c"
+    sid, other = store.submit(HOTKEY, SHA), store.submit(HOTKEY, SHA)
+    rejected = failure_result(EvalFailure("gates", text))
+    done = store.record(store.claim(sid).token, rejected)
+    assert (done.status, done.reason) == ("rejected", "written")
+    (attempt,) = store.attempts(sid)
+    assert attempt.failure_message == store.submission(sid).error_message == "ValueError: a\ufffdb\ufffdc"
+    assert store.result_of(sid).manifest["failure"]["message"] == text  # JSON escapes them: the exact text
+    assert store.record(attempt.token, rejected).reason == "duplicate"
+    retried = failure_result(EvalFailure("dispatch", text + "x" * 100_000))
+    claim = store.claim(other)
+    assert store.record(claim.token, retried).status == "pending"
+    assert store.record(claim.token, retried).reason == "duplicate"
+    assert len(store.attempts(other)[0].failure_message) == len(text) + 100_000
 
 
 def test_infrastructure_failures_retry_to_the_cap_with_every_reason_and_a_submission_fault_is_final(store):

@@ -17,6 +17,7 @@ dispatcher: a non-final submission whose owner's heartbeat is stale has no owner
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 
 from sqlalchemy import (
@@ -38,6 +39,27 @@ OUTCOMES = ("completed", "failed", "rejected", "retry")
 """An attempt's outcome: ``completed`` (scored), ``rejected`` (a ``submission`` failure: final),
 ``failed`` (an infrastructure failure with no attempt left, or a cancel), ``retry`` (an
 infrastructure failure with attempts left: the submission is pending again)."""
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+"""Characters no text column stores on every backend: NUL (PostgreSQL's ``text`` refuses it)
+and lone surrogates (not UTF-8: both drivers refuse to encode them)."""
+
+
+def storable(text: str | None, limit: int | None = None) -> str | None:
+    """``text`` as every backend's text column holds it: each character of :data:`_UNSTORABLE`
+    replaced by U+FFFD, then cut to ``limit`` characters (a ``String(limit)`` column: PostgreSQL
+    refuses a longer value). ``None`` stays ``None``.
+
+    A failure's message is the bundle's own exception text, chosen by the submitter: a
+    character the database refuses would fail the result's write on every retry, and the
+    dispatcher, retrying it each round, would write no other result. (The run's manifest keeps
+    the exact text: JSON escapes these characters.)
+    """
+    if text is None:
+        return None
+    text = _UNSTORABLE.sub("\ufffd", text)
+    return text if limit is None else text[:limit]
 
 
 class UTCDateTime(TypeDecorator):

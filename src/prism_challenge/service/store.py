@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
 from prism_challenge.results import EvalResult
-from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, utcnow
+from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, storable, utcnow
 
 log = logging.getLogger("prism_challenge.service")
 
@@ -115,6 +115,10 @@ class Store:
         url: a SQLAlchemy URL (``sqlite:///path``, ``postgresql+psycopg://...``); ``None``:
             :func:`default_url`. A SQLite file's folder is created.
 
+    Each connection taken from the pool is pinged first (SQLAlchemy's ``pool_pre_ping``): one
+    the server ended while it sat in the pool (a restart, a dropped link,
+    ``pg_terminate_backend``) is replaced, not handed to the next caller as an error.
+
     Raises:
         sqlalchemy.exc.ArgumentError: a malformed URL.
     """
@@ -123,7 +127,7 @@ class Store:
         self.url = url or default_url()
         if self.url.startswith("sqlite:///") and self.url != "sqlite:///:memory:":
             Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.engine: Engine = create_engine(self.url)
+        self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -381,23 +385,29 @@ def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, ba
     cap = sub.max_attempts if max_attempts is None else min(sub.max_attempts, max_attempts)
     outcome, status = outcome_of(result, sub.attempts, cap)
     _check(sub.status, status)
-    failure = result.failure
+    failure = _failure_columns(result)
     attempt.finished_at, attempt.outcome, attempt.heartbeat_at = now, outcome, now
-    if failure is not None:
-        attempt.failure_stage, attempt.failure_kind, attempt.failure_message = (
-            failure.stage, failure.kind, failure.message)
+    if result.failure is not None:
+        attempt.failure_stage, attempt.failure_kind, attempt.failure_message = failure
     if status == "pending":
         sub.not_before = now + timedelta(seconds=max(0.0, backoff_s))
     else:
-        s.add(Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=result.run_dir,
+        s.add(Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=storable(result.run_dir),
                   prequential_bpb=result.prequential_bpb, final_score=result.final_score,
                   manifest=result.manifest.to_json_dict(), created_at=now))
         sub.finished_at = now
     sub.status, sub.updated_at = status, now
-    sub.error_stage = failure.stage if failure else None
-    sub.error_kind = failure.kind if failure else None
-    sub.error_message = failure.message if failure else None
+    sub.error_stage, sub.error_kind, sub.error_message = failure
     return status
+
+
+def _failure_columns(result: EvalResult) -> tuple[str | None, str | None, str | None]:
+    """The result's failure as its ``(stage, kind, message)`` columns store it (:func:`storable`;
+    ``String(32)``, ``String(16)``, ``Text``), or three ``None``."""
+    f = result.failure
+    if f is None:
+        return None, None, None
+    return storable(f.stage, 32), storable(f.kind, 16), storable(f.message)
 
 
 def _same(s: Session, attempt: Attempt, result: EvalResult) -> bool:
@@ -406,9 +416,8 @@ def _same(s: Session, attempt: Attempt, result: EvalResult) -> bool:
     run = s.scalar(select(Run).where(Run.attempt_id == attempt.id))
     if run is not None:
         return run.manifest == result.manifest.to_json_dict()
-    f = result.failure
-    return f is not None and (attempt.failure_stage, attempt.failure_kind, attempt.failure_message) == (
-        f.stage, f.kind, f.message)
+    return result.failure is not None and (attempt.failure_stage, attempt.failure_kind, attempt.failure_message) == (
+        _failure_columns(result))
 
 
 def _check(old: str, new: str) -> None:
