@@ -145,6 +145,16 @@ def test_twin_and_trained_match_an_independent_computation(tmp_path, data_dir, t
     assert r["val_bpb_trained"] < 5.0
     assert r["nonfinite_batches_twin"] == r["nonfinite_batches_trained"] == 0
     assert r["parameter_count"] == V * V
+    # per batch (the memorization gap's val units): the bigram's nats over each batch's rows, and
+    # its bytes counted from its tokens (bytes tokenizer: every target but end-of-text is one byte)
+    cuts = heldout_cuts(data_dir, "bytes", max_bytes=MAX_BYTES, batch_size=4, seq_len=48)
+    assert r["batches"] == len(cuts) == len(r["batch_bytes"]) == len(r["batch_nats_trained"]) > 2
+    assert r["batch_bytes"] == [int((c.tokens[:, 1:] != EOT).sum()) for c in cuts] and sum(r["batch_bytes"]) == nbytes
+    twin_w = twin_weight()
+    for c, got_trained, got_twin in zip(cuts, r["batch_nats_trained"], r["batch_nats_twin"]):
+        assert got_trained == pytest.approx(sum(bigram_nats(weight, row) for row in c.tokens), rel=1e-6)
+        assert got_twin == pytest.approx(sum(bigram_nats(twin_w, row) for row in c.tokens), rel=1e-6)
+    assert math.fsum(r["batch_nats_trained"]) == r["nats_trained"]  # the total is their sum, taken here
 
 
 def test_uniform_twin_is_exactly_log2v_per_target(tmp_path, data_dir):
@@ -180,7 +190,8 @@ def test_standalone_cli_prints_the_same_figures(tmp_path, data_dir, trained_stat
     assert len(lines) == 1
     cli = json.loads(lines[0])
     ref = run_heldout(cfg, timeout_s=300, memory_bytes=4 << 30)
-    for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes"):
+    for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "batch_bytes",
+              "batch_nats_twin", "batch_nats_trained"):
         assert cli[k] == ref[k], k
 
 

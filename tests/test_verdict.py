@@ -284,3 +284,34 @@ def test_the_policy_sets_z_and_the_floor_and_older_profiles_are_told_what_change
     old.write_text(local.replace("gap_z = 4.0", "gap_threshold_bpb = 0.5"))
     with pytest.raises(ProfileError, match=r"\[policy\] gap_threshold_bpb: no longer a setting: .* gap_z"):
         load_profile(str(old))
+
+
+# -- a scored run -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_an_honest_example_run_is_not_flagged_and_reports_the_measured_noise(tmp_path):
+    from prism_challenge import EvalOptions, evaluate
+    from prism_challenge.gapnoise import ratio_se
+    from prism_challenge.run_manifest import load_run_manifest
+
+    from helpers import EXAMPLE
+
+    out = tmp_path / "run"
+    res = evaluate(EvalOptions(bundle=str(EXAMPLE), out_dir=str(out), token_budget=20_000, heldout_bytes=60_000,
+                               device="cpu", threads=1))
+    assert res.failure is None, res.failure
+    m = load_run_manifest(out)
+    v, ho = m["verdict"], m["verdict"]["heldout"]
+    assert not v["memorization_flagged"] and "memorization" not in v["flags"]
+    # the val side: the trusted side's bytes per batch, the child's nats per batch
+    assert sum(ho["batch_bytes"]) == ho["bytes"] and len(ho["batch_bytes"]) == ho["batches"] >= 2
+    assert math.fsum(ho["batch_nats_trained"]) / LN2 / ho["bytes"] == pytest.approx(ho["val_bpb_trained"], rel=1e-12)
+    noise = v["memorization_noise"]
+    assert noise["se_val_bpb"] == pytest.approx(ratio_se(ho["batch_nats_trained"], ho["batch_bytes"]), rel=1e-12)
+    assert noise["se_val_bpb"] > 0 and noise["se_tail_bpb"] > 0
+    assert v["memorization_se_bpb"] == pytest.approx(math.hypot(noise["se_tail_bpb"], noise["se_val_bpb"]), rel=1e-12)
+    assert v["memorization_threshold"] == max(0.05, 4 * v["memorization_se_bpb"]) == noise["threshold_bpb"]
+    assert noise["gap_over_se"] == pytest.approx(v["memorization_gap"] / v["memorization_se_bpb"], rel=1e-12)
+    assert noise["tail_units"] >= 2 and noise["val_units"] == ho["batches"]
+    # the manifest alone gives the same verdict again (the curve stands in for the step records)
+    again = build_verdict(m["score"]["prequential_bpb"], m["curve"], 50257, ho)
+    assert again.memorization_noise == noise and again.memorization_threshold == v["memorization_threshold"]
