@@ -363,3 +363,16 @@ def test_blind_probes_keep_the_prefix_and_go_on_with_other_held_out_text():
                                                                == np.delete(batches[j], row, axis=0)).all()]
         assert len(source) == 1 and (probe[row, k:] == batches[source[0]][row, k:]).all()
     assert [p[:3] for p in blind_probes(batches, SEED, V)] == [p[:3] for p in probes]  # deterministic
+
+
+def test_the_parent_takes_per_batch_nats_only_and_sums_them_itself():
+    from prism_challenge.heldout import _model_reply
+
+    reply = {"nats": 1e9, "batch_nats": [1.5, 2.25, 0.125], "targets": 30, "nonfinite_batches": 0}
+    got = _model_reply(reply, 3)
+    assert got["nats"] == 3.875 and got["batch_nats"] == [1.5, 2.25, 0.125]  # the child's own total is not read
+    for bad in ({**reply, "batch_nats": [1.5, 2.25]}, {**reply, "batch_nats": [1.5, -2.0, 0.1]},
+                {**reply, "batch_nats": [1.5, math.inf, 0.1]}, {**reply, "batch_nats": [1.5, True, 0.1]},
+                {k: v for k, v in reply.items() if k != "batch_nats"}):
+        with pytest.raises((ValueError, KeyError)):
+            _model_reply(bad, 3)
