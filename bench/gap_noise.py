@@ -17,8 +17,9 @@ Printed per run: the tail's and the val side's units, tail and val bpb, the gap,
 ``se_val``, ``se_gap``, ``gap / se_gap``, the threshold (``max(floor, z * se_gap)``), flagged,
 the rule (:mod:`prism_challenge.gapnoise`), the lag-1 autocorrelation of the per-batch
 residuals ``y_i / x_i - R`` on each side (consecutive batches of one document are correlated),
-and ``se(block 4) / se(block 1)`` of the val side (about 1 when the correlation does not
-matter). Then the share of honest runs flagged (goal 0), the largest honest ``gap / se`` and
+``se(block 4) / se(block 1)`` of the val side (about 1 when the correlation does not
+matter), and the tail's own SE over the val side's per-byte bound (``own/b``: the honest range
+behind :data:`prism_challenge.gapnoise.TAIL_CAP`). Then the share of honest runs flagged (goal 0), the largest honest ``gap / se`` and
 gap, and the memorizers' ``gap / se``.
 
 Data: ``--data`` names a prepared data directory, or FineWeb-Edu JSON lines (files or a folder,
@@ -42,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from prism_challenge import EvalOptions, evaluate  # noqa: E402
-from prism_challenge.gapnoise import ratio_se, tail_units  # noqa: E402
+from prism_challenge.gapnoise import per_byte_variance, ratio_se, tail_units  # noqa: E402
 from prism_challenge.run_manifest import load_run_manifest  # noqa: E402
 from prism_challenge.verdict import _steps  # noqa: E402
 
@@ -123,10 +124,13 @@ def one_run(name: str, bundle: Path, data: str | None, length: int, work: Path, 
     v_n, v_b = ho["batch_nats_trained"], ho["batch_bytes"]
     noise = v["memorization_noise"]
     se1, se4 = ratio_se(v_n, v_b), ratio_se(v_n, v_b, block=4)
+    own, s2_v = ratio_se(t_n, t_b), per_byte_variance(v_n, v_b)
+    bound = math.sqrt(s2_v / math.fsum(t_b)) if s2_v else None
     return {"name": name, "length": length, "tail": v["tail_bpb"], "val": ho["val_bpb_trained"],
             "gap": v["memorization_gap"], "noise": noise, "flagged": v["memorization_flagged"],
             "rho_tail": lag1(residuals(t_n, t_b)), "rho_val": lag1(residuals(v_n, v_b)),
-            "block4": se4 / se1 if se1 and se4 else None, "wall_s": time.monotonic() - t0}
+            "block4": se4 / se1 if se1 and se4 else None, "own_over_bound": own / bound if own and bound else None,
+            "wall_s": time.monotonic() - t0}
 
 
 def fmt(x: float | None, spec: str = ".4f") -> str:
@@ -139,7 +143,8 @@ def show(r: dict) -> None:
           f"{r['val']:7.4f} {r['gap']:+8.4f} {fmt(n['se_tail_bpb'])} {fmt(n['se_val_bpb'])} "
           f"{fmt(n['se_gap_bpb'])} {fmt(n['gap_over_se'], '+7.2f'):>7} {n['threshold_bpb']:.4f} "
           f"{'FLAGGED' if r['flagged'] else 'ok':<7} {fmt(r['rho_tail'], '+.2f'):>5} {fmt(r['rho_val'], '+.2f'):>5} "
-          f"{fmt(r['block4'], '.2f'):>5} {r['wall_s']:5.0f}s  {n['rule']}", flush=True)
+          f"{fmt(r['block4'], '.2f'):>5} {fmt(r['own_over_bound'], '.2f'):>5} {r['wall_s']:5.0f}s  {n['rule']}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {data or 'embedded corpus'}; held-out bytes {args.heldout_bytes}; z and floor: the policy's")
         print(f"{'bundle':<16} {'bytes':>7} {'nT':>4} {'nV':>4} {'tail':>7} {'val':>7} {'gap':>8} {'se_tail':>6} "
               f"{'se_val':>6} {'se_gap':>6} {'gap/se':>7} {'thresh':>6} {'verdict':<7} {'rhoT':>5} {'rhoV':>5} "
-              f"{'blk4':>5} {'wall':>6}  rule")
+              f"{'blk4':>5} {'own/b':>5} {'wall':>6}  rule")
         runs = []
         for length in lengths:
             for name, bundle in honest.items():

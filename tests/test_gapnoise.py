@@ -116,3 +116,17 @@ def test_a_side_without_a_spread_borrows_the_other_sides_per_byte_variance_else_
     neither = gap_noise((nats([3000]), [1500]), ([], []))
     assert neither.rule == "floor" and neither.se_gap_bpb is None and neither.threshold_bpb == 0.05
     assert neither.se_tail_bpb is None and neither.se_val_bpb is None
+
+
+def test_a_tail_spread_a_loop_widened_is_capped_at_three_times_the_val_bound():
+    # a cheat on every other tail batch (gain 0.6 bpb on half of 10 batches): gap 0.3 bpb and an
+    # own se of 0.3 / sqrt(10 - 1) = 0.1: 4 se = 0.4 would let its gap through
+    tail = (nats([1400, 2000] * 5), [1000] * 10)
+    own = ratio_se(*tail)
+    assert own == pytest.approx(math.sqrt(10 / 9 * 10 * 300 ** 2) / 1e4, rel=1e-12)  # 0.1
+    val = (nats([1180, 1120] * 10), [500] * 20)
+    bound = math.sqrt(20 * 900 / 500 / 19 / 10_000)  # 0.013765
+    g = gap_noise(tail, val)
+    assert g.se_tail_bpb == pytest.approx(3 * bound, rel=1e-12) and g.rule == "measured, tail capped at 3 x the val bound"
+    assert g.threshold_bpb == pytest.approx(4 * math.hypot(3 * bound, math.sqrt(20 / 19 * 18000 / 1e8)), rel=1e-12)
+    assert g.threshold_bpb < 0.3 < 4 * math.hypot(own, g.se_val_bpb)  # 0.174: the gap of 0.3 is flagged

@@ -29,6 +29,15 @@ on the tail's own: a tail of 2 to 5 batches (a 20k-token local run) has an SE es
 to 4 degrees of freedom, which can be small by chance; the val side's per-byte variance is
 measured on tens to hundreds of batches (200 kB to 1 MB of text) of the same model family.
 
+**The tail's SE is kept within [1, 3] times that bound** (:data:`TAIL_CAP`). The floor side:
+above. The cap: the tail's units are the submission's batches, so its loop shapes their
+spread; a cheat active on every other batch of a tail of ``n`` batches (gain ``g`` on half of
+them: gap ``g / 2``, se about ``g / (2 sqrt n)``) has ``gap / se ~ sqrt(n)``, so a loop whose
+batches are large enough to leave ``n < z^2 = 16`` tail batches would widen its own threshold
+past any gap. The val side's units are the harness's (:data:`prism_challenge.pipeline.HELDOUT_BATCH`
+rows), so the capped tail SE is one the submission cannot widen at will; the honest ratio of
+the tail's own SE to the bound that ``bench/gap_noise.py`` measured is well inside [1, 3].
+
 **Rules where a spread cannot be measured** (fewer than :data:`MIN_UNITS` units with bytes):
 
 * the tail: its SE is the val side's per-byte variance over the tail's bytes (``rule`` says
@@ -65,6 +74,8 @@ DEFAULT_GAP_Z = 4.0
 DEFAULT_GAP_FLOOR_BPB = 0.05
 DEFAULT_BLOCK = 1
 MIN_UNITS = 2
+TAIL_CAP = 3.0
+"""The tail's own SE is kept within ``[1, TAIL_CAP]`` times the val side's per-byte bound (module doc)."""
 
 
 class GapNoiseError(ValueError):
@@ -170,7 +181,8 @@ class GapNoise:
         tail_units: the tail's units (after ``block``), ``val_units`` the val side's.
         rule: ``measured`` (both sides' own spread), ``tail_from_val``, ``val_from_tail`` or
             ``floor`` (module doc); a tail whose own SE was below the val side's per-byte bound
-            reads ``measured, tail raised to the val bound``.
+            reads ``measured, tail raised to the val bound``, one above :data:`TAIL_CAP` times
+            it ``measured, tail capped at 3 x the val bound``.
         z: the policy's multiplier; floor_bpb: the policy's floor (bpb).
         threshold_bpb: ``max(floor, z * se_gap)``, or the floor when ``se_gap`` is ``None``.
     """
@@ -210,10 +222,13 @@ def gap_noise(tail: tuple[Sequence[float], Sequence[float]], val: tuple[Sequence
     s2_t, s2_v = per_byte_variance(*tail, block=block), per_byte_variance(*val, block=block)
     x_t, x_v = math.fsum(tail[1]), math.fsum(val[1])
     rule = "measured"
-    if se_t is None and s2_v is not None and x_t > 0:
-        se_t, rule = math.sqrt(s2_v / x_t), "tail_from_val"
-    elif se_t is not None and s2_v is not None and se_t < math.sqrt(s2_v / x_t):
-        se_t, rule = math.sqrt(s2_v / x_t), "measured, tail raised to the val bound"
+    bound = math.sqrt(s2_v / x_t) if s2_v is not None and x_t > 0 else None
+    if bound is not None and se_t is None:
+        se_t, rule = bound, "tail_from_val"
+    elif bound is not None and se_t < bound:
+        se_t, rule = bound, "measured, tail raised to the val bound"
+    elif bound is not None and se_t > TAIL_CAP * bound:
+        se_t, rule = TAIL_CAP * bound, f"measured, tail capped at {TAIL_CAP:g} x the val bound"
     if se_v is None and s2_t is not None and x_v > 0:
         se_v, rule = math.sqrt(s2_t / x_v), "val_from_tail"
     if se_t is None or se_v is None:
