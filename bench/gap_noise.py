@@ -1,6 +1,7 @@
 """The memorization gap's noise on honest runs, and what a memorizing bundle does to it.
 
-Runs ``prism eval`` (the library call, CPU, strict isolation, the audit on) on honest bundles at
+Runs ``prism eval`` (the library call, CPU, strict isolation, the audit off unless
+``--audited-batches``: it does not change the gap) on honest bundles at
 two or three stream lengths (byte budgets, so every tokenizer covers the same text):
 
 * ``examples/tiny-1m`` (GPT-2 tokens, 4 x 256 per batch),
@@ -109,13 +110,13 @@ def residuals(nats: list[float], nbytes: list[float]) -> list[float]:
     return [n / LN2 / b - r for n, b in zip(nats, nbytes) if b > 0]
 
 
-def one_run(name: str, bundle: Path, data: str | None, length: int, work: Path, heldout: int) -> dict:
+def one_run(name: str, bundle: Path, data: str | None, length: int, work: Path, heldout: int, audit: int) -> dict:
     """Score ``bundle`` at a byte budget of ``length``; the verdict's gap figures."""
     out = work / f"run-{name}-{length}"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.monotonic()
     res = evaluate(EvalOptions(bundle=str(bundle), data_dir=data, out_dir=str(out), byte_budget=length,
-                               heldout_bytes=heldout, device="cpu", threads=2))
+                               heldout_bytes=heldout, device="cpu", threads=2, audited_batches=audit))
     if res.failure is not None:
         raise SystemExit(f"{name} at {length} bytes failed: {res.failure}")
     m = load_run_manifest(out)
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gap_noise.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", help="a prepared data directory, or JSON lines to prepare (default: embedded corpus)")
     p.add_argument("--lengths", default="40000,160000", help="byte budgets, comma-separated")
-    p.add_argument("--heldout-bytes", type=int, default=100_000)
+    p.add_argument("--heldout-bytes", type=int, default=60_000)
+    p.add_argument("--audited-batches", type=int, default=0,
+                   help="the audit's A (default 0: the audit does not change the gap and costs time here)")
     p.add_argument("--work", help="working folder (default: a temporary one, removed)")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -174,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for length in lengths:
             for name, bundle in honest.items():
-                runs.append(one_run(name, bundle, data, length, work, args.heldout_bytes))
+                runs.append(one_run(name, bundle, data, length, work, args.heldout_bytes, args.audited_batches))
                 show(runs[-1])
         cheats = []
         for alpha in (6.0, 0.3):
             length = lengths[-1]
             cheats.append(one_run(f"memorizer-a{alpha:g}", memorizer(work, data, length, alpha), data, length, work,
-                                  args.heldout_bytes))
+                                  args.heldout_bytes, args.audited_batches))
             show(cheats[-1])
         flagged = sum(r["flagged"] for r in runs)
         zs = [r["noise"]["gap_over_se"] for r in runs if r["noise"]["gap_over_se"] is not None]
