@@ -35,8 +35,9 @@ spread; a cheat active on every other batch of a tail of ``n`` batches (gain ``g
 them: gap ``g / 2``, se about ``g / (2 sqrt n)``) has ``gap / se ~ sqrt(n)``, so a loop whose
 batches are large enough to leave ``n < z^2 = 16`` tail batches would widen its own threshold
 past any gap. The val side's units are the harness's (:data:`prism_challenge.pipeline.HELDOUT_BATCH`
-rows), so the capped tail SE is one the submission cannot widen at will; the honest ratio of
-the tail's own SE to the bound that ``bench/gap_noise.py`` measured is well inside [1, 3].
+rows), so the capped tail SE is one the submission cannot widen at will. The honest ratio of
+the tail's own SE to the bound that ``bench/gap_noise.py`` measured was 0.55 to 0.88 (those
+tails were raised to the bound, none came near the cap).
 
 **Rules where a spread cannot be measured** (fewer than :data:`MIN_UNITS` units with bytes):
 
@@ -47,19 +48,23 @@ the tail's own SE to the bound that ``bench/gap_noise.py`` measured is well insi
   that small is a local experiment (the official profile's tail holds hundreds of batches).
 
 **Correlation.** Consecutive batches are consecutive text, so two batches cut from one document
-are positively correlated and a per-batch SE understates the noise when documents span many
+are positively correlated and a per-batch SE understates the noise when documents span several
 batches. ``block`` merges each run of ``block`` consecutive units into one unit (the batch-means
-remedy for a correlated series); :data:`DEFAULT_BLOCK` is 1 because ``bench/gap_noise.py``
-measured a small lag-1 correlation of the per-batch residuals at the default shapes (FineWeb-Edu
-documents are about one batch long) and the measured honest z-scores stayed far below ``z``
-(README, *Held-out and verdict*). The tail's learning trend also lands in its residuals, which
-only widens its SE (an honest model's final weights beat its tail, so the gap is then negative).
+remedy for a correlated series). Measured (``bench/gap_noise.py`` on the FineWeb-Edu sample,
+60 kB of val text): the val side's per-batch residuals have a lag-1 autocorrelation of +0.18 to
++0.57 and ``se(block 4) / se(block 1)`` is 1.7 to 1.8, so the per-batch val SE understates by
+about 1.8x at these shapes. :data:`DEFAULT_BLOCK` is still 1 (so ``z = 4`` acts as about 2.2
+on a val-dominated SE): blocks of 4 leave 2 units of a 60 kB GPT-2 val prefix; a val block of 4
+at the official 1 MB (about 125 batches) is the change to make next (README, open items). The
+tail's learning trend also lands in its residuals, which only widens its SE (an honest model's
+final weights beat its tail, so the gap is then negative).
 
 **z and the floor.** :data:`DEFAULT_GAP_Z` = 4: a one-sided false-flag rate of ``3.2e-5`` if the
 gap's noise were normal with the measured SE. :data:`DEFAULT_GAP_FLOOR_BPB` = 0.05 bpb: what
 the SE does not see (the split's documents are not a random sample of batches; the models that
-scored the tail are not the final one): the largest honest gap ``bench/gap_noise.py`` measured
-was well under it (figures in the README).
+scored the tail are not the final one). Measured honest z-scores (``gap / se_gap``): +1.21,
++1.51 and -0.85 at 40 kB of stream (the two GPT-2 bundles' gaps were +0.50 bpb there, over a
+tail of one batch: the old fixed 0.5 bpb flagged the example), figures for 160 kB in the README.
 """
 
 from __future__ import annotations
