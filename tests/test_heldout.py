@@ -145,6 +145,16 @@ def test_twin_and_trained_match_an_independent_computation(tmp_path, data_dir, t
     assert r["val_bpb_trained"] < 5.0
     assert r["nonfinite_batches_twin"] == r["nonfinite_batches_trained"] == 0
     assert r["parameter_count"] == V * V
+    # per batch (the memorization gap's val units): the bigram's nats over each batch's rows, and
+    # its bytes counted from its tokens (bytes tokenizer: every target but end-of-text is one byte)
+    cuts = heldout_cuts(data_dir, "bytes", max_bytes=MAX_BYTES, batch_size=4, seq_len=48)
+    assert r["batches"] == len(cuts) == len(r["batch_bytes"]) == len(r["batch_nats_trained"]) > 2
+    assert r["batch_bytes"] == [int((c.tokens[:, 1:] != EOT).sum()) for c in cuts] and sum(r["batch_bytes"]) == nbytes
+    twin_w = twin_weight()
+    for c, got_trained, got_twin in zip(cuts, r["batch_nats_trained"], r["batch_nats_twin"]):
+        assert got_trained == pytest.approx(sum(bigram_nats(weight, row) for row in c.tokens), rel=1e-6)
+        assert got_twin == pytest.approx(sum(bigram_nats(twin_w, row) for row in c.tokens), rel=1e-6)
+    assert math.fsum(r["batch_nats_trained"]) == r["nats_trained"]  # the total is their sum, taken here
 
 
 def test_uniform_twin_is_exactly_log2v_per_target(tmp_path, data_dir):
@@ -180,7 +190,8 @@ def test_standalone_cli_prints_the_same_figures(tmp_path, data_dir, trained_stat
     assert len(lines) == 1
     cli = json.loads(lines[0])
     ref = run_heldout(cfg, timeout_s=300, memory_bytes=4 << 30)
-    for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes"):
+    for k in ("val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "batch_bytes",
+              "batch_nats_twin", "batch_nats_trained"):
         assert cli[k] == ref[k], k
 
 
@@ -352,3 +363,16 @@ def test_blind_probes_keep_the_prefix_and_go_on_with_other_held_out_text():
                                                                == np.delete(batches[j], row, axis=0)).all()]
         assert len(source) == 1 and (probe[row, k:] == batches[source[0]][row, k:]).all()
     assert [p[:3] for p in blind_probes(batches, SEED, V)] == [p[:3] for p in probes]  # deterministic
+
+
+def test_the_parent_takes_per_batch_nats_only_and_sums_them_itself():
+    from prism_challenge.heldout import _model_reply
+
+    reply = {"nats": 1e9, "batch_nats": [1.5, 2.25, 0.125], "targets": 30, "nonfinite_batches": 0}
+    got = _model_reply(reply, 3)
+    assert got["nats"] == 3.875 and got["batch_nats"] == [1.5, 2.25, 0.125]  # the child's own total is not read
+    for bad in ({**reply, "batch_nats": [1.5, 2.25]}, {**reply, "batch_nats": [1.5, -2.0, 0.1]},
+                {**reply, "batch_nats": [1.5, math.inf, 0.1]}, {**reply, "batch_nats": [1.5, True, 0.1]},
+                {k: v for k, v in reply.items() if k != "batch_nats"}):
+        with pytest.raises((ValueError, KeyError)):
+            _model_reply(bad, 3)

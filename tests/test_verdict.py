@@ -2,10 +2,12 @@
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
 from prism_challenge.evaluator.feeder import StepRecord
+from prism_challenge.profiles import ProfileError, load_profile
 from prism_challenge.scoring import curve
 from prism_challenge.verdict import (
     Policy,
@@ -67,21 +69,21 @@ def test_tail_refuses_bad_input():
 
 # -- memorization -----------------------------------------------------------------------------
 def test_memorization_gap_and_penalty():
-    assert memorization(3.0, 2.0) == (1.0, 0.5, True)
-    gap, mult, flagged = memorization(2.25, 2.0)
+    assert memorization(3.0, 2.0, 0.5) == (1.0, 0.5, True)
+    gap, mult, flagged = memorization(2.25, 2.0, 0.5)
     assert (gap, mult, flagged) == (0.25, 1.0, False)
-    assert memorization(2.5, 2.0) == (0.5, 1.0, False)  # at the threshold: not above it
-    assert memorization(1.5, 2.0) == (-0.5, 1.0, False)  # better on val than the tail: fine
+    assert memorization(2.5, 2.0, 0.5) == (0.5, 1.0, False)  # at the threshold: not above it
+    assert memorization(1.5, 2.0, 0.5) == (-0.5, 1.0, False)  # better on val than the tail: fine
     assert memorization(2.25, 2.0, threshold=0.125, penalty=0.25) == (0.25, 0.25, True)
 
 
 def test_memorization_nonfinite_val_is_flagged_and_bad_policy_refused():
-    gap, mult, flagged = memorization(math.nan, 2.0)
+    gap, mult, flagged = memorization(math.nan, 2.0, 0.1)
     assert gap == math.inf and mult == 0.5 and flagged
     with pytest.raises(VerdictError):
-        memorization(2.0, math.inf)
+        memorization(2.0, math.inf, 0.1)
     with pytest.raises(VerdictError):
-        memorization(2.0, 1.0, penalty=1.5)
+        memorization(2.0, 1.0, 0.1, penalty=1.5)
     with pytest.raises(VerdictError):
         memorization(2.0, 1.0, threshold=-0.1)
 
@@ -168,13 +170,23 @@ def test_build_verdict_honest_run():
     # first step 5.0 nats/target (above 0.5 ln 257); tail (last 10 of 100 bytes) = 1/2 of step 3
     steps = [StepRecord(0, 200.0, 40, 40), StepRecord(1, 100.0, 40, 40), StepRecord(2, 40.0, 20, 20)]
     bpb = 340 / LN2 / 100
-    ho = {"val_bpb_twin": 8.0, "val_bpb_trained": 3.0, "heldout_delta": 5.0, "targets": 10, "bytes": 10}
+    # two val batches of 5 bytes coded in 12 and 18 bits: 3.0 bpb, se = sqrt(2 * 18) / 10 = 0.6
+    ho = {"val_bpb_twin": 8.0, "val_bpb_trained": 3.0, "heldout_delta": 5.0, "targets": 10, "bytes": 10,
+          "batch_bytes": [5, 5], "batch_nats_trained": [12 * LN2, 18 * LN2]}
     v = build_verdict(bpb, steps, 257, ho)
     tail = 20 / LN2 / 10
     assert v.tail_bpb == pytest.approx(tail, rel=1e-12)
     assert v.first_batch_nats_per_target == 5.0
     assert not v.anomaly_flagged and v.anti_cheat_multiplier == 1.0
     assert v.memorization_gap == pytest.approx(3.0 - tail, rel=1e-12)  # 3.0 - 2.885 = 0.115
+    # the tail is one unit (half of step 3): its se is the val side's per-byte variance over its
+    # 10 bytes: s2 = (3^2 / 5 + 3^2 / 5) / 1 = 3.6 bits^2/byte, se_tail = sqrt(0.36) = 0.6
+    noise = v.memorization_noise
+    assert noise["rule"] == "tail_from_val" and (noise["tail_units"], noise["val_units"]) == (1, 2)
+    assert noise["se_val_bpb"] == pytest.approx(0.6, rel=1e-12) and noise["se_tail_bpb"] == pytest.approx(0.6)
+    assert v.memorization_se_bpb == pytest.approx(0.6 * math.sqrt(2), rel=1e-12)
+    assert v.memorization_threshold == pytest.approx(4 * 0.6 * math.sqrt(2), rel=1e-12)
+    assert noise["gap_over_se"] == pytest.approx((3.0 - tail) / (0.6 * math.sqrt(2)), rel=1e-12)
     assert not v.memorization_flagged and v.memorization_penalty == 1.0
     assert v.final_score == pytest.approx(1 / (1 + bpb), rel=1e-12)
     assert v.flags == [] and v.heldout_error is None
@@ -197,6 +209,7 @@ def test_build_verdict_without_heldout_flags_it_and_applies_no_penalty():
     v = build_verdict(60 / LN2 / 10, steps, 257, None, heldout_error="timeout: 600 s")
     assert v.flags == ["heldout_unavailable"] and v.heldout_error == "timeout: 600 s"
     assert v.memorization_gap is None and v.memorization_penalty == 1.0
+    assert v.memorization_se_bpb is None and v.memorization_noise is None and v.memorization_threshold == 0.05
     assert v.final_score == pytest.approx(1 / (1 + 60 / LN2 / 10))
     with pytest.raises(VerdictError):
         build_verdict(1.0, [], 257, None)
@@ -218,3 +231,87 @@ def test_rank_puts_runs_the_heldout_does_not_back_after_clean_ones():
     zeroed = {**E("zeroed", 0.01, None, 2), "anti_cheat_multiplier": 0.0, "final_score": 0.0}
     honest = [{**E("a", 4.65, 0.3, 3), "memorization_penalty": 1.0, "flags": []}, E("b", 5.10, 0.1, 4)]
     assert names(rank([zeroed, hung, adapted, *honest])) == ["a", "b", "adapted", "hung", "zeroed"]
+
+
+def stream(tail_bpb_pairs, early=90):
+    """``early`` steps of 1000 bytes at 5 nats per target, then 10 at the given bpb pairs."""
+    steps = [StepRecord(i, 5000.0, 1000, 1000) for i in range(early)]
+    for j, bpb in enumerate(tail_bpb_pairs * 5):
+        steps.append(StepRecord(early + j, bpb * 1000 * LN2, 1000, 1000))
+    return steps
+
+
+def heldout(val_bpb, spread=0.06):
+    """20 val batches of 500 bytes at ``val_bpb +- spread``."""
+    bits = [(val_bpb + spread * (-1) ** i) * 500 for i in range(20)]
+    return {"val_bpb_twin": 8.0, "val_bpb_trained": val_bpb, "heldout_delta": 8.0 - val_bpb,
+            "batch_bytes": [500] * 20, "batch_nats_trained": [b * LN2 for b in bits]}
+
+
+def test_a_memorizing_run_is_flagged_at_a_gap_the_old_fixed_threshold_let_through():
+    # a tail at 2.0 +- 0.06 bpb over 10 batches, val at 2.3 +- 0.06 over 20: gap 0.3 bpb.
+    # se_tail = 0.02, se_val = sqrt(20/19 * 20 * 30^2) / 10^4 = 0.013765 (test_gapnoise's figures)
+    steps = stream([2.06, 1.94])
+    se = math.hypot(0.02, math.sqrt(20 / 19 * 20 * 900) / 1e4)  # 0.024279
+    v = build_verdict(5.0, steps, 257, heldout(2.3))
+    assert v.tail_bpb == pytest.approx(2.0, rel=1e-12) and v.memorization_gap == pytest.approx(0.3, rel=1e-9)
+    assert v.memorization_se_bpb == pytest.approx(se, rel=1e-9)
+    assert v.memorization_threshold == pytest.approx(4 * se, rel=1e-9)  # 0.0971
+    assert v.memorization_noise["gap_over_se"] == pytest.approx(0.3 / se, rel=1e-9)  # 12.4
+    assert v.memorization_flagged and v.memorization_penalty == 0.5 and v.flags == ["memorization"]
+    assert memorization(2.3, v.tail_bpb, 0.5)[2] is False  # the old fixed 0.5 bpb let it through
+    # an honest run of the same noise (val 2.05: the final weights a little worse than the tail
+    # by chance, 2 se) is not flagged; nor is one better on val than on its tail
+    for val in (2.05, 1.9):
+        honest = build_verdict(5.0, steps, 257, heldout(val))
+        assert not honest.memorization_flagged and honest.flags == []
+    # the floor: tiny noise (+- 0.001 bpb) leaves 4 se far below 0.05, which then applies
+    quiet = build_verdict(5.0, stream([2.001, 1.999]), 257, heldout(2.04, spread=0.001))
+    assert quiet.memorization_threshold == 0.05 and not quiet.memorization_flagged
+    assert build_verdict(5.0, stream([2.001, 1.999]), 257, heldout(2.06, spread=0.001)).memorization_flagged
+
+
+def test_the_policy_sets_z_and_the_floor_and_older_profiles_are_told_what_changed(tmp_path):
+    v = build_verdict(5.0, stream([2.06, 1.94]), 257, heldout(2.3), policy=Policy(gap_z=20.0, gap_floor_bpb=0.01))
+    se = math.hypot(0.02, math.sqrt(20 / 19 * 20 * 900) / 1e4)
+    assert v.memorization_threshold == pytest.approx(20 * se, rel=1e-9) and not v.memorization_flagged  # 0.486
+    with pytest.raises(VerdictError, match="memorization noise: .*z"):
+        build_verdict(5.0, stream([2.06, 1.94]), 257, heldout(2.3), policy=Policy(gap_z=0.0))
+    with pytest.raises(VerdictError, match="memorization noise: 20 nats for 19 byte counts"):
+        build_verdict(5.0, stream([2.06, 1.94]), 257, {**heldout(2.3), "batch_bytes": [500] * 19})
+    old = tmp_path / "old.toml"
+    local = (Path(__file__).resolve().parents[1] / "src/prism_challenge/profiles/local.toml").read_text()
+    old.write_text(local.replace("gap_z = 4.0", "gap_threshold_bpb = 0.5"))
+    with pytest.raises(ProfileError, match=r"\[policy\] gap_threshold_bpb: no longer a setting: .* gap_z"):
+        load_profile(str(old))
+
+
+# -- a scored run -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_an_honest_example_run_is_not_flagged_and_reports_the_measured_noise(tmp_path):
+    from prism_challenge import EvalOptions, evaluate
+    from prism_challenge.gapnoise import ratio_se
+    from prism_challenge.run_manifest import load_run_manifest
+
+    from helpers import EXAMPLE
+
+    out = tmp_path / "run"
+    res = evaluate(EvalOptions(bundle=str(EXAMPLE), out_dir=str(out), token_budget=20_000, heldout_bytes=60_000,
+                               device="cpu", threads=1))
+    assert res.failure is None, res.failure
+    m = load_run_manifest(out)
+    v, ho = m["verdict"], m["verdict"]["heldout"]
+    assert not v["memorization_flagged"] and "memorization" not in v["flags"]
+    # the val side: the trusted side's bytes per batch, the child's nats per batch
+    assert sum(ho["batch_bytes"]) == ho["bytes"] and len(ho["batch_bytes"]) == ho["batches"] >= 2
+    assert math.fsum(ho["batch_nats_trained"]) / LN2 / ho["bytes"] == pytest.approx(ho["val_bpb_trained"], rel=1e-12)
+    noise = v["memorization_noise"]
+    assert noise["se_val_bpb"] == pytest.approx(ratio_se(ho["batch_nats_trained"], ho["batch_bytes"]), rel=1e-12)
+    assert noise["se_val_bpb"] > 0 and noise["se_tail_bpb"] > 0
+    assert v["memorization_se_bpb"] == pytest.approx(math.hypot(noise["se_tail_bpb"], noise["se_val_bpb"]), rel=1e-12)
+    assert v["memorization_threshold"] == max(0.05, 4 * v["memorization_se_bpb"]) == noise["threshold_bpb"]
+    assert noise["gap_over_se"] == pytest.approx(v["memorization_gap"] / v["memorization_se_bpb"], rel=1e-12)
+    assert noise["tail_units"] >= 2 and noise["val_units"] == ho["batches"]
+    # the manifest alone gives the same verdict again (the curve stands in for the step records)
+    again = build_verdict(m["score"]["prequential_bpb"], m["curve"], 50257, ho)
+    assert again.memorization_noise == noise and again.memorization_threshold == v["memorization_threshold"]

@@ -18,6 +18,10 @@ cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument
     val_bpb = sum(nats) / ln 2 / sum(target bytes)         (the training score's definition)
     heldout_delta = val_bpb(twin) - val_bpb(trained)       (> 0: the training helped)
 
+The figures keep each batch's nats per model and each batch's bytes (the trusted side's counts):
+the spread of the trained model's per-batch bpb is the val side of the memorization gap's
+standard error (:mod:`prism_challenge.gapnoise`).
+
 **Probes.** Every held-out batch of the trained model is also probed in process
 (:func:`~prism_challenge.evaluator.instrument.check_causal`; the twin is not: a non-causal twin
 only lowers the delta). The in-process probe can be answered from a cache by a model that
@@ -30,7 +34,7 @@ the bundle's ``scoring_autocast``, as in the stream.
 untrusted from the moment of that import. :func:`run_heldout` therefore keeps everything that
 decides the figures on the trusted side: it cuts the rows itself, sends the child only token
 ids (never text, never a data path) and the state bytes over stdin, and computes targets, bytes
-and bpb from its own counts, taking only nats per model from the child. The child applies its
+and bpb from its own counts, taking only nats per model and batch from the child. The child applies its
 rlimits (address space, file size, open files; soft = hard) before the submission is imported,
 redirects file descriptor 1 to stderr so submitted prints cannot forge the result line, and
 dies with its parent. Run it inside :func:`prism_challenge.evaluator.isolation.sandbox_prefix`
@@ -128,11 +132,11 @@ def heldout_cuts(
 
 def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, device: str, *, probe: bool = True,
                autocast: Any = None, picks: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-    """Score ``model`` on token batches: ``{"nats", "targets", "nonfinite_batches", "picked"}``.
+    """Score ``model`` on token batches: ``{"nats", "batch_nats", "targets", "nonfinite_batches", "picked"}``.
 
-    ``nats`` is the float64 sum (``math.fsum``) over batches of
-    :func:`~prism_challenge.evaluator.instrument.measure`'s nats, each non-finite batch replaced
-    by ``2 ln V`` nats per target. ``picked`` holds, for each ``(batch, row, k)`` of ``picks``, the
+    ``batch_nats`` is ``[len(batches)]``: each batch's
+    :func:`~prism_challenge.evaluator.instrument.measure` nats (float64), a non-finite batch
+    replaced by ``2 ln V`` nats per target; ``nats`` their ``math.fsum``. ``picked`` holds, for each ``(batch, row, k)`` of ``picks``, the
     nats of target ``k`` of that row as that batch was scored (the blind probe's reference).
 
     Args:
@@ -165,7 +169,8 @@ def score_rows(model: Any, batches: Sequence[np.ndarray], vocab_size: int, devic
         parts.append(nats)
         targets += n_targets
         nonfinite += not finite
-    return {"nats": math.fsum(parts), "targets": targets, "nonfinite_batches": nonfinite, "picked": picked}
+    return {"nats": math.fsum(parts), "batch_nats": [float(x) for x in parts], "targets": targets,
+            "nonfinite_batches": nonfinite, "picked": picked}
 
 
 class _BuildOnly:
@@ -295,7 +300,9 @@ def _bpb(nats: float, nbytes: int) -> float:
     return nats / LN2 / nbytes
 
 
-def _figures(result: dict[str, Any], nbytes: int) -> dict[str, Any]:
+def _figures(result: dict[str, Any], batch_bytes: Sequence[int]) -> dict[str, Any]:
+    """The held-out figures from the models' nats and the trusted side's bytes per batch."""
+    nbytes = int(sum(batch_bytes))
     twin = _bpb(result["twin"]["nats"], nbytes)
     trained = _bpb(result["trained"]["nats"], nbytes)
     return {
@@ -309,6 +316,9 @@ def _figures(result: dict[str, Any], nbytes: int) -> dict[str, Any]:
         "nonfinite_batches_twin": result["twin"]["nonfinite_batches"],
         "nonfinite_batches_trained": result["trained"]["nonfinite_batches"],
         "batches": result["batches"],
+        "batch_bytes": [int(b) for b in batch_bytes],
+        "batch_nats_twin": list(result["twin"]["batch_nats"]),
+        "batch_nats_trained": list(result["trained"]["batch_nats"]),
     }
 
 
@@ -380,25 +390,25 @@ def main(argv: list[str] | None = None) -> int:
             config = json.loads(_read_frame(stdin))
             batches = _unpack_batches(_read_frame(stdin))
             state: Any = io.BytesIO(_read_frame(stdin))
-            nbytes = None
+            batch_bytes = None
         elif len(argv) == 1:
             config = json.loads(Path(argv[0]).read_text())
             cuts = heldout_cuts(config["data_dir"], config["tokenizer"], split=config.get("split", "val"),
                                 max_bytes=int(config.get("max_bytes", DEFAULT_MAX_BYTES)),
                                 batch_size=int(config["batch_size"]), seq_len=int(config["seq_len"]))
             batches = [c.tokens for c in cuts]
-            nbytes = int(sum(int(c.target_bytes.sum()) for c in cuts))
+            batch_bytes: list[int] | None = [int(c.target_bytes.sum()) for c in cuts]
             state = config["state_path"]
         else:
             sys.stderr.write("usage: python -m prism_challenge.heldout CONFIG.json | --stdin\n")
             return 2
         result = evaluate_config(config, batches, state)
-        if nbytes is None:
+        if batch_bytes is None:
             emit({"ok": True, **result})
         else:
-            if nbytes <= 0:
+            if sum(batch_bytes) <= 0:
                 raise HeldoutError("data: the held-out prefix covers no bytes")
-            emit({"ok": True, **_figures(result, nbytes), "split": config.get("split", "val")})
+            emit({"ok": True, **_figures(result, batch_bytes), "split": config.get("split", "val")})
         return 0
     except HeldoutError as exc:
         emit({"ok": False, "error": str(exc)})
@@ -441,8 +451,10 @@ def run_heldout(
     Returns:
         ``{"val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "nats_twin",
         "nats_trained", "nonfinite_batches_twin", "nonfinite_batches_trained", "batches",
-        "split", "max_bytes", "parameter_count", "blind_probes", "wall_s"}``; bpb in bits per
-        byte, nats in nats, ``blind_probes`` the number of rows the blind probe checked.
+        "batch_bytes", "batch_nats_twin", "batch_nats_trained", "split", "max_bytes",
+        "parameter_count", "blind_probes", "wall_s"}``; bpb in bits per byte, nats in nats
+        (``batch_*``: ``[batches]`` lists, the bytes counted here, the nats the child's),
+        ``blind_probes`` the number of rows the blind probe checked.
 
     Raises:
         HeldoutError: ``"<stage>: <reason>"``: data, state file, timeout, memory, tasks, an
@@ -457,7 +469,8 @@ def run_heldout(
     max_bytes = int(config.get("max_bytes", DEFAULT_MAX_BYTES))
     cuts = heldout_cuts(config["data_dir"], str(config["tokenizer"]), split=split, max_bytes=max_bytes,
                         batch_size=int(config["batch_size"]), seq_len=int(config["seq_len"]))
-    nbytes = int(sum(int(c.target_bytes.sum()) for c in cuts))
+    batch_bytes = [int(c.target_bytes.sum()) for c in cuts]
+    nbytes = sum(batch_bytes)
     targets = int(sum(c.tokens.shape[0] * (c.tokens.shape[1] - 1) for c in cuts))
     if nbytes <= 0:
         raise HeldoutError(f"data: the {split} prefix of {max_bytes} bytes covers no bytes")
@@ -483,7 +496,7 @@ def run_heldout(
         if not probes:
             jail.drop_spare(list(CHILD_ARGV), writable=_writable(child_config))
     try:
-        result = {"twin": _model_reply(reply["twin"]), "trained": _model_reply(reply["trained"]),
+        result = {"twin": _model_reply(reply["twin"], len(cuts)), "trained": _model_reply(reply["trained"], len(cuts)),
                   "targets": int(reply["targets"]), "batches": int(reply["batches"])}
     except (KeyError, TypeError, ValueError) as exc:
         raise HeldoutError(f"protocol: malformed reply from the held-out process ({exc})") from None
@@ -504,7 +517,7 @@ def run_heldout(
                     int(config["vocab_size"]), autocast_dtype(child_config["scoring_autocast"]))
         except BlindProbeError as exc:
             raise HeldoutError(str(exc)) from None
-    figures = _figures(result, nbytes)
+    figures = _figures(result, batch_bytes)
     figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
                     "blind_probes": len(probes), "wall_s": time.monotonic() - t0})
     return figures
@@ -560,11 +573,22 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
     return reply
 
 
-def _model_reply(d: Any) -> dict[str, Any]:
-    nats = d["nats"]
-    if not isinstance(nats, (int, float)) or isinstance(nats, bool) or not math.isfinite(nats) or nats < 0:
-        raise ValueError(f"nats {nats!r} must be a finite non-negative number")
-    return {"nats": float(nats), "targets": int(d["targets"]), "nonfinite_batches": int(d["nonfinite_batches"])}
+def _model_reply(d: Any, batches: int) -> dict[str, Any]:
+    """One model's reply, checked: ``batches`` per-batch nats, each finite and >= 0; the total is
+    their ``math.fsum`` computed here (the child's own total is not read).
+
+    Raises:
+        ValueError: a missing, mis-sized or non-numeric entry (a malformed reply).
+    """
+    per = d["batch_nats"]
+    if not isinstance(per, list) or len(per) != batches:
+        raise ValueError(f"batch_nats must be a list of {batches} numbers")
+    for nats in per:
+        if not isinstance(nats, (int, float)) or isinstance(nats, bool) or not math.isfinite(nats) or nats < 0:
+            raise ValueError(f"nats {nats!r} must be a finite non-negative number")
+    per = [float(x) for x in per]
+    return {"nats": math.fsum(per), "batch_nats": per, "targets": int(d["targets"]),
+            "nonfinite_batches": int(d["nonfinite_batches"])}
 
 
 if __name__ == "__main__":

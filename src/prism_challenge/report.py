@@ -172,12 +172,22 @@ def _verdict_rows(v: dict[str, Any]) -> list[tuple[str, str]]:
         ("held-out val bpb (trained / twin)",
          f"{_fmt(ho.get('val_bpb_trained'))} / {_fmt(ho.get('val_bpb_twin'))}" if ho else f"- ({v.get('heldout_error')})"),
         ("heldout_delta", _fmt(ho.get("heldout_delta")) if ho else "-"),
-        ("memorization gap", _fmt(v.get("memorization_gap"))),
+        ("memorization gap (threshold)", _gap(v)),
         ("anti-cheat x memorization", f"{v['anti_cheat_multiplier']:g} x {v['memorization_penalty']:g}"),
     ]
     if v.get("flags"):
         rows.append(("flags", ", ".join(v["flags"])))
     return rows
+
+
+def _gap(v: dict[str, Any]) -> str:
+    """The gap and the run's threshold: ``0.0123 (> 0.0968 = 4 x se 0.0242: flagged)``."""
+    gap, noise = v.get("memorization_gap"), v.get("memorization_noise")
+    if gap is None or not noise:
+        return _fmt(gap)
+    how = (f"{noise['z']:g} x se {_fmt(noise['se_gap_bpb'])}" if noise.get("se_gap_bpb") is not None
+           and noise["threshold_bpb"] > noise["floor_bpb"] else "floor")
+    return f"{_fmt(gap)} ({'>' if v.get('memorization_flagged') else '<='} {_fmt(noise['threshold_bpb'])} = {how})"
 
 
 def _audit(a) -> str:

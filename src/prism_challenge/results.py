@@ -307,11 +307,31 @@ class Heldout(_Model):
     parameter_count: Count | None
     blind_probes: Count
     wall_s: Seconds
+    batch_bytes: list[Count] | None = None  # per val batch (absent in manifests before the measured gap threshold)
+    batch_nats_twin: list[float | None] | None = None
+    batch_nats_trained: list[float | None] | None = None
+
+
+class MemorizationNoise(_Model):
+    """``prism_challenge.gapnoise.GapNoise`` plus ``gap_over_se``: the gap's measured standard
+    error and the threshold ``max(floor_bpb, z * se_gap_bpb)`` it set (bpb)."""
+
+    se_tail_bpb: float | None
+    se_val_bpb: float | None
+    se_gap_bpb: float | None
+    tail_units: Count
+    val_units: Count
+    rule: str
+    z: float
+    floor_bpb: float
+    threshold_bpb: float
+    gap_over_se: float | None
 
 
 class Verdict(_Model):
     """``prism_challenge.verdict.Verdict`` (non-finite floats written as ``null``):
-    ``final_score = anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``."""
+    ``final_score = anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``;
+    ``memorization_threshold`` is the run's own (a fixed policy value in older manifests)."""
 
     prequential_bpb: float
     tail_bpb: float | None
@@ -328,6 +348,8 @@ class Verdict(_Model):
     memorization_penalty: float
     final_score: float
     flags: list[str]
+    memorization_se_bpb: float | None = None  # absent in manifests before the measured threshold
+    memorization_noise: MemorizationNoise | None = None
 
 
 class AuditBatch(_Model):

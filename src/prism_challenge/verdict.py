@@ -11,7 +11,9 @@ the held-out evaluation). Units: nats for losses, bits per UTF-8 byte (bpb) for 
   random partition of one corpus the held-out split and the train stream come from the same
   distribution, so an honest model's val bpb is close to (or below: it trained on the tail)
   its tail bpb. A model whose loss on the stream is far better than on held-out text of the same
-  kind knew the stream rather than learned the language (smuggled train text, lookahead).
+  kind knew the stream rather than learned the language (smuggled train text, lookahead). The
+  threshold is measured in each run (:mod:`prism_challenge.gapnoise`): ``max(floor, z *
+  se_gap)``, ``se_gap`` from the spread of the tail's batches and of the val batches.
 * **Anomaly** (:func:`anomaly`): under the forced random init an honest model predicts close
   to uniform on the first batch, ``~ ln V`` nats per target. A first-batch loss below half of
   that is knowledge the model brought with it (constants baked into the source): zeroed.
@@ -27,10 +29,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prism_challenge.gapnoise import DEFAULT_GAP_FLOOR_BPB, DEFAULT_GAP_Z, GapNoiseError, gap_noise, tail_units
+
 LN2 = math.log(2.0)
 
 DEFAULT_TAIL_FRACTION = 0.1
-DEFAULT_GAP_THRESHOLD_BPB = 0.5
 DEFAULT_GAP_PENALTY = 0.5
 DEFAULT_ANOMALY_RATIO = 0.5
 DEFAULT_RANK_EPSILON_BPB = 0.01
@@ -46,11 +49,12 @@ class Policy:
 
     Attributes:
         tail_fraction: share of the scored bytes that forms the tail (0 < f <= 1); 0.1.
-        gap_threshold_bpb: a memorization gap above this (bpb) is flagged; 0.5 bpb. An honest
-            model's gap is near 0 (same distribution; noise of a 200 kB val prefix and of a
-            10 % tail is a few hundredths of a bpb on trained models), while a model that knew
-            the stream has a tail bpb far below its val bpb (bytes-level English is about 2 to
-            5 bpb before learning, so memorizing the stream opens a gap of whole bits).
+        gap_z: a memorization gap above ``max(gap_floor_bpb, gap_z * se_gap)`` is flagged,
+            ``se_gap`` the gap's standard error measured in the run
+            (:func:`prism_challenge.gapnoise.gap_noise`); 4 (one-sided 3.2e-5 under normality).
+        gap_floor_bpb: the smallest threshold (bpb); 0.05. Both measured and justified in
+            :mod:`prism_challenge.gapnoise` and ``bench/gap_noise.py``. (A fixed 0.5 bpb let
+            a peek at one position in six through with a gap of 0.43 bpb.)
         gap_penalty: the multiplier applied when the gap is flagged; 0.5 (halves the score,
             keeps the run ranked: a high gap is strong but not conclusive evidence).
         anomaly_ratio: first-batch nats per target below ``ratio * ln V`` is zeroed; 0.5.
@@ -58,7 +62,8 @@ class Policy:
     """
 
     tail_fraction: float = DEFAULT_TAIL_FRACTION
-    gap_threshold_bpb: float = DEFAULT_GAP_THRESHOLD_BPB
+    gap_z: float = DEFAULT_GAP_Z
+    gap_floor_bpb: float = DEFAULT_GAP_FLOOR_BPB
     gap_penalty: float = DEFAULT_GAP_PENALTY
     anomaly_ratio: float = DEFAULT_ANOMALY_RATIO
     rank_epsilon_bpb: float = DEFAULT_RANK_EPSILON_BPB
@@ -134,12 +139,13 @@ def tail_bpb(curve_or_steps: Any, fraction: float = DEFAULT_TAIL_FRACTION) -> fl
 def memorization(
     val_bpb_trained: float,
     tail: float,
-    threshold: float = DEFAULT_GAP_THRESHOLD_BPB,
+    threshold: float,
     penalty: float = DEFAULT_GAP_PENALTY,
 ) -> tuple[float, float, bool]:
     """The memorization gap and its multiplier: ``(gap, multiplier, flagged)``.
 
-    ``gap = val_bpb_trained - tail`` (bpb); ``flagged = gap > threshold``; ``multiplier`` is
+    ``gap = val_bpb_trained - tail`` (bpb); ``flagged = gap > threshold`` (the run's threshold,
+    :func:`prism_challenge.gapnoise.gap_noise`); ``multiplier`` is
     ``penalty`` when flagged, else 1.0. A non-finite ``val_bpb_trained`` (the trained model's
     held-out loss blew up) is flagged with an infinite gap.
 
@@ -290,7 +296,11 @@ class Verdict:
             ``targets``, ``bytes``), or ``None`` when it did not run.
         heldout_error: why the held-out evaluation did not run or failed, else ``None``.
         memorization_gap: ``val_bpb_trained - tail_bpb`` (``None`` without held-out figures).
-        memorization_threshold: the policy's threshold (bpb).
+        memorization_threshold: this run's threshold (bpb): ``max(floor, z * se_gap)``; the
+            floor without held-out figures.
+        memorization_se_bpb: ``se_gap``, the gap's measured standard error (bpb), or ``None``.
+        memorization_noise: :class:`prism_challenge.gapnoise.GapNoise` as a dict, plus
+            ``gap_over_se`` (``gap / se_gap``), or ``None`` without held-out figures.
         memorization_flagged: the gap is above the threshold.
         memorization_penalty: the policy's penalty when flagged, else 1.0 (1.0 without held-out).
         final_score: ``anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``.
@@ -313,6 +323,8 @@ class Verdict:
     memorization_penalty: float
     final_score: float
     flags: list[str]
+    memorization_se_bpb: float | None = None
+    memorization_noise: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats become ``None``)."""
@@ -376,10 +388,14 @@ def build_verdict(
     penalty = 1.0
     ho = dict(heldout) if heldout is not None else None
     available = ho is not None and ho.get("val_bpb_trained") is not None
+    threshold, noise = policy.gap_floor_bpb, None
     if available:
         heldout_error = None
-        gap, penalty, m_flag = memorization(float(ho["val_bpb_trained"]), tail, policy.gap_threshold_bpb,
-                                            policy.gap_penalty)
+        noise = _noise(steps, policy, ho)
+        threshold = noise["threshold_bpb"]
+        gap, penalty, m_flag = memorization(float(ho["val_bpb_trained"]), tail, threshold, policy.gap_penalty)
+        se = noise["se_gap_bpb"]
+        noise["gap_over_se"] = gap / se if se and math.isfinite(gap) else None
         if m_flag:
             flags.append("memorization")
     else:
@@ -396,9 +412,27 @@ def build_verdict(
         heldout=ho,
         heldout_error=heldout_error,
         memorization_gap=gap,
-        memorization_threshold=policy.gap_threshold_bpb,
+        memorization_threshold=threshold,
         memorization_flagged=m_flag,
         memorization_penalty=penalty,
         final_score=final_score(prequential_bpb, multiplier, penalty),
         flags=flags,
+        memorization_se_bpb=noise["se_gap_bpb"] if noise else None,
+        memorization_noise=noise,
     )
+
+
+def _noise(steps: Any, policy: Policy, ho: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`~prism_challenge.gapnoise.gap_noise` of a run as a dict: the tail's units from
+    ``steps``, the val side's from ``ho["batch_nats_trained"]`` and ``ho["batch_bytes"]`` (held-out
+    figures without them, e.g. from an older harness, have no val units: see the module's rules).
+
+    Raises:
+        VerdictError: the per-batch figures are malformed.
+    """
+    val = (ho.get("batch_nats_trained") or [], ho.get("batch_bytes") or [])
+    try:
+        return gap_noise(tail_units(_steps(steps), policy.tail_fraction), val, z=policy.gap_z,
+                         floor=policy.gap_floor_bpb).to_dict()
+    except GapNoiseError as exc:
+        raise VerdictError(f"memorization noise: {exc}") from None

@@ -176,6 +176,9 @@ def _parse(doc: dict[str, Any], where: str, sha256: str) -> Profile:
 
 def _policy(t: dict[str, Any], where: str) -> Policy:
     known = set(asdict(Policy()))
+    if "gap_threshold_bpb" in t:
+        raise ProfileError(f"{where}: [policy] gap_threshold_bpb: no longer a setting: the memorization threshold "
+                           "is measured in each run, max(gap_floor_bpb, gap_z * se_gap); set gap_z and gap_floor_bpb")
     for key in sorted(set(t) - known):
         raise ProfileError(f"{where}: [policy] {key}: unknown key; allowed: {sorted(known)}")
     return Policy(**{k: float(_check(where, f"[policy] {k}", v, _NUM)) for k, v in t.items()})
