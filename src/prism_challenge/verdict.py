@@ -118,18 +118,7 @@ def tail_bpb(curve_or_steps: Any, fraction: float = DEFAULT_TAIL_FRACTION) -> fl
     total = sum(b for _, b in steps)
     if total <= 0:
         raise VerdictError("no bytes were scored: the tail bpb is undefined")
-    start = total - fraction * total
-    nats = []
-    end = 0
-    for n, b in steps:
-        lo, end = end, end + b
-        if b == 0:
-            if end > start:
-                nats.append(n)
-            continue
-        overlap = min(end, total) - max(lo, start)
-        if overlap > 0:
-            nats.append(n * (overlap / b))
+    nats, _ = tail_units(steps, fraction)  # each batch weighted by its share of the tail
     value = math.fsum(nats) / LN2 / (fraction * total)
     if not math.isfinite(value):
         raise VerdictError(f"the tail bpb is not finite ({value})")
