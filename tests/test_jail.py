@@ -127,6 +127,14 @@ def test_a_spare_is_fed_by_the_next_matching_run_and_close_ends_an_unused_one(tm
     assert unused.proc.pid != spare.proc.pid and unused.proc.poll() is None
     jail.close()
     assert unused.proc.returncode == -9 and not jail._spares
+    folder = tmp_path / "art"
+    folder.mkdir()
+    jail.warm([sys.executable, "-c", code], writable=[str(folder)])
+    (stale,) = jail._spares.values()
+    folder.rename(tmp_path / "art.aside")  # as auditstage.empty_artifacts does: another folder, same path
+    folder.mkdir()
+    fresh = jail.run([sys.executable, "-c", code], input=b"", timeout_s=30, writable=[str(folder)])
+    assert int(fresh.stdout) != stale.proc.pid and stale.proc.returncode == -9  # the stale spare: killed, not fed
 
 
 @pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")

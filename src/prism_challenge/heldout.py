@@ -532,12 +532,6 @@ def _writable(child_config: dict[str, Any]) -> list[str]:
     return [str(values["artifacts_dir"])] if values else []
 
 
-def warm(jail: Jail, context: dict[str, Any] | None) -> None:
-    """Start the held-out child as a spare now (:meth:`~prism_challenge.evaluator.jail.Jail.warm`),
-    for :func:`run_heldout` with these context values to feed: its start-up overlaps the audit."""
-    jail.warm(list(CHILD_ARGV), writable=_writable({"context": context}))
-
-
 def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.ndarray], state: bytes,
                deadline: float, timeout_s: float, *, warm_next: bool = False) -> dict[str, Any]:
     """Run one held-out child in ``jail`` (config, batches and state on stdin); its ``{"ok": true,

@@ -52,7 +52,6 @@ from prism_challenge.evaluator.gpu import manifest_record as gpu_record
 from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
-from prism_challenge.heldout import warm as warm_heldout
 from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
 from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
@@ -546,8 +545,6 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
                 keep_bundle(frozen.root, run_dir)
                 if opts.audited_batches > 0:
-                    if opts.heldout_bytes > 0 and "val" in (data.data.get("splits") or {}) and state_path is not None:
-                        warm_heldout(sandbox.jail, context_values(config, opts.nproc))  # it starts during the audit
                     audit = audit_run(jail=sandbox.jail, config=child_config(
                         _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
                         result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,

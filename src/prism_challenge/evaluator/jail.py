@@ -171,10 +171,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Started:
-    """A child :meth:`Jail.start` started with pipes: its process and its memory cgroup, if any."""
+    """A child :meth:`Jail.start` started with pipes: its process, its memory cgroup (if any)
+    and the ``(device, inode)`` of each writable folder it was given (:func:`_folder_ids`)."""
 
     proc: subprocess.Popen
     group: MemoryCgroup | None
+    folders: tuple = ()
 
 
 def diagnose(returncode: int | None, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
@@ -338,8 +340,8 @@ class Jail:
             OSError: the child cannot be started.
         """
         spare = self._spares.pop(_spare_key(argv, writable, env, cwd), None)
-        if spare is not None and spare.proc.poll() is not None:  # it died waiting: start another
-            self.abandon(spare)
+        if spare is not None and (spare.proc.poll() is not None or spare.folders != _folder_ids(writable)):
+            self.abandon(spare)  # it died waiting, or a folder it bound was replaced since: start another
             spare = None
         started = spare or self.start(argv, writable=writable, env=env, cwd=cwd)
         if warm_next:
@@ -356,7 +358,9 @@ class Jail:
         ``argv``, ``writable``, ``env`` and ``cwd``, which feeds it instead of starting one: its
         interpreter start and imports overlap whatever runs meanwhile. Only for children that
         read their stdin before running any submitted code (the audit's and the held-out's): a
-        spare has run nothing but the harness when it is fed, as fresh as one started then.
+        spare has run nothing but the harness when it is fed, as fresh as one started then. A
+        spare whose ``writable`` folder was replaced since (another folder at the same path) is
+        not fed: it would see the old folder.
         One spare per key; :meth:`close` and :meth:`kill_all` end the unused ones.
 
         Raises:
@@ -378,9 +382,10 @@ class Jail:
             IsolationError: the sandbox cannot be set up, or the run was cancelled.
             OSError: the child cannot be started.
         """
+        folders = _folder_ids(writable)
         proc, group = self._start(argv, writable=writable, socket_dir=None, env=env, cwd=cwd, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        return Started(proc, group)
+        return Started(proc, group, folders)
 
     def finish(self, started: Started, *, input: bytes = b"", timeout_s: float) -> Finished:
         """Feed a :meth:`start`-ed child ``input`` and wait for its end, at most ``timeout_s``
@@ -457,6 +462,20 @@ class Jail:
                 "tmp_bytes": self.tmp_bytes, "shm_bytes": self.shm_bytes,
                 "memory_limit_by": self.memory_by, "audit_hooks": self.audit,
                 "audit_exit_code": AUDIT_EXIT_CODE}
+
+
+def _folder_ids(folders: Sequence[str | os.PathLike[str]]) -> tuple:
+    """``(device, inode)`` per folder (``None`` for one that is missing): the sandbox binds the
+    folder a path names when the child starts, so a spare whose path now names another folder
+    (renamed aside and made again) would write to the old one: :meth:`Jail.run` drops it."""
+    out = []
+    for f in folders:
+        try:
+            st = os.stat(f)
+            out.append((st.st_dev, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def _spare_key(argv: Sequence[str], writable: Sequence[str | os.PathLike[str]], env: dict[str, str] | None,
