@@ -130,3 +130,30 @@ def test_a_tail_spread_a_loop_widened_is_capped_at_three_times_the_val_bound():
     assert g.se_tail_bpb == pytest.approx(3 * bound, rel=1e-12) and g.rule == "measured, tail capped at 3 x the val bound"
     assert g.threshold_bpb == pytest.approx(4 * math.hypot(3 * bound, math.sqrt(20 / 19 * 18000 / 1e8)), rel=1e-12)
     assert g.threshold_bpb < 0.3 < 4 * math.hypot(own, g.se_val_bpb)  # 0.174: the gap of 0.3 is flagged
+
+
+def test_one_outlier_val_batch_does_not_hide_a_memorization_gap():
+    # red team 9: a memorizer (tail 1.00 bpb, val 1.50) made confidently wrong on one val batch
+    # (a causal per-row trigger: every probe passes) raised its val bpb by 0.15 and, unclamped,
+    # its threshold from the 0.05 floor to 0.78 bpb: unflagged. Winsorized residuals keep it flagged.
+    from prism_challenge.gapnoise import gap_noise
+    from prism_challenge.verdict import memorization
+
+    ln2, x = math.log(2), 8000
+    tail = ([(1.00 + 0.03 * (-1) ** i) * x * ln2 for i in range(40)], [x] * 40)
+    val_b = [x] * 25
+    val_n = [(1.50 + 0.03 * (-1) ** i) * x * ln2 for i in range(25)]
+
+    def flagged(nats):
+        g = gap_noise(tail, (nats, val_b))
+        return memorization(math.fsum(nats) / ln2 / sum(val_b), 1.00, g.threshold_bpb, 0.5)[2], g.threshold_bpb
+
+    assert flagged(val_n) == (True, 0.05)
+    outlier = list(val_n)
+    outlier[7] += 0.15 * sum(val_b) * ln2  # one batch 3.75 bpb worse: the val mean +0.15 bpb
+    is_flagged, threshold = flagged(outlier)
+    # the other 24 residuals are (+-0.03 - 0.15) bits per byte around R (R holds the outlier),
+    # so the median is about -0.15 x / sqrt(x) per sqrt byte and the MAD 0.03 sqrt(x): the
+    # outlier's residual is clamped to about 3 * 1.4826 * 0.03 * 2 sqrt(x) over the median, and the
+    # threshold stays a fraction of the 0.65 bpb gap (unclamped it was 0.759)
+    assert is_flagged and threshold < 0.2, threshold

@@ -1,6 +1,8 @@
 """The audit: its schedule, the feeder's answer and snapshots, and the re-scoring children."""
 import hashlib
 import math
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -298,9 +300,44 @@ def test_empty_folders_removes_files_folders_and_links_without_following_them(tm
     (art / "relay.pt").write_bytes(b"rows")
     (art / "sub" / "deep.pt").write_bytes(b"rows")
     (art / "link").symlink_to(keep, target_is_directory=True)
+    os.setxattr(art, "user.prism", b"rows")  # the folder's own metadata: red team 9's relay
+    os.chmod(art, 0o755)
+    os.utime(art, ns=(123_456_789, 987_654_321))
     empty_folders([art, tmp_path / "absent"])
+    st = art.stat()  # before a listing, which moves the access time again (relatime)
+    assert os.listxattr(art) == [] and stat.S_IMODE(st.st_mode) == 0o700 and (st.st_atime_ns, st.st_mtime_ns) == (0, 0)
     assert art.is_dir() and list(art.iterdir()) == []
     assert (keep / "kept.txt").read_text() == "not the child's"
+
+
+@pytest.mark.slow
+def test_the_children_cannot_relay_the_true_rows_through_the_folders_own_metadata(tmp_path):
+    """Red team 9's ``xrelay``: ``relay`` with the rows in ``os.setxattr(ctx.artifacts_dir,
+    "user.prism", ...)``; deleting the folder's entries kept them, and the blind probe passed a
+    model that peeks at every target. The folder's metadata is reset before each child now."""
+    root, model, snap = _trained(tmp_path, "xrelay")
+    tokens = _chained(4, 64, 11)
+    jail = Jail("none", str(root), (), Limits(), 1)  # the audit hooks armed
+    from prism_challenge.evaluator.snapshots import file_sha256
+    from prism_challenge.rescore import plan, run_children
+
+    filler = RNG.integers(0, 257, 500).astype(np.int64)
+    a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
+    jobs, _, paths, _ = plan(a, 1, filler, b"k" * 32)
+    art = tmp_path / "art"
+    art.mkdir()
+    got = run_children(jail, _config(root, tmp_path), jobs, paths, mode="rescore",
+                       deadline=time.monotonic() + 120, writable=[str(art)])
+    assert "user.prism" in os.listxattr(art)  # the re-scoring child stored the rows there
+    os.removexattr(art, "user.prism")  # the rank's run leaves the audit nothing
+    peeked = got[0]["nats"]
+    assert peeked < _nats(model, tokens) - 3.0 * 4 * 63  # the peek is on
+    a[0].recorded[0] = peeked
+    report = run_audit(_config(root, tmp_path), a, jail=jail, world_size=1, filler=filler, key=b"k" * 32,
+                       timeout_s=300, artifacts_dir=str(art))
+    assert report.error is None, report.error
+    assert report.batches[0]["match"] is True
+    assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")
 
 
 class _RecordingJail:

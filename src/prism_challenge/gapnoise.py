@@ -16,7 +16,9 @@ population)::
 
     v(R) = n / (n - 1) * sum_i (y_i - R x_i)^2 / X^2,      X = sum_i x_i,   se = sqrt(v(R))
 
-(Cochran's ``(1 / (n xbar^2)) * sum (y_i - R x_i)^2 / (n - 1)`` with ``xbar = X / n``). Then
+(Cochran's ``(1 / (n xbar^2)) * sum (y_i - R x_i)^2 / (n - 1)`` with ``xbar = X / n``), each
+residual ``y_i - R x_i`` first winsorized (:func:`_residuals`: one outlying unit, which the
+submission's model can make at will on the val text, must raise the gap more than the SE). Then
 
     se_gap = sqrt(se_tail^2 + se_val^2)    (disjoint text: the two estimates are independent)
     threshold = max(floor, z * se_gap)     (flagged when gap > threshold; one-sided)
@@ -71,6 +73,7 @@ memorizer's +4.10 (gap 0.24 bpb) and +28.7 (gap 2.46 bpb), both flagged (README)
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -80,6 +83,8 @@ DEFAULT_GAP_Z = 4.0
 DEFAULT_GAP_FLOOR_BPB = 0.05
 DEFAULT_BLOCK = 1
 MIN_UNITS = 2
+WINSOR_K = 3.0  # robust deviations a unit's residual may lie from the median (:func:`_residuals`)
+MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal sample times this is its sigma
 TAIL_CAP = 3.0
 """The tail's own SE is kept within ``[1, TAIL_CAP]`` times the val side's per-byte bound (module doc)."""
 
@@ -129,7 +134,7 @@ def ratio_se(nats: Sequence[float], nbytes: Sequence[float], *, block: int = DEF
         return None
     r = math.fsum(y for y, _ in units) / total
     n = len(units)
-    ss = math.fsum((y - r * x) ** 2 for y, x in units)
+    ss = math.fsum(d * d for d in _residuals(units, r))
     return math.sqrt(n / (n - 1) * ss) / total
 
 
@@ -144,7 +149,24 @@ def per_byte_variance(nats: Sequence[float], nbytes: Sequence[float], *, block: 
     if len(units) < MIN_UNITS:
         return None
     r = math.fsum(y for y, _ in units) / math.fsum(x for _, x in units)
-    return math.fsum((y - r * x) ** 2 / x for y, x in units) / (len(units) - 1)
+    return math.fsum(d * d / x for d, (_, x) in zip(_residuals(units, r), units)) / (len(units) - 1)
+
+
+def _residuals(units: list[tuple[float, float]], r: float) -> list[float]:
+    """``d_i = y_i - R x_i`` per unit, **winsorized**: each unit with bytes has its per-byte
+    residual ``e_i = d_i / sqrt(x_i)`` clamped to ``median(e) +- WINSOR_K * 1.4826 * MAD(e)``
+    (1.4826 MAD: the normal-consistent robust scale; Huber, *Robust Statistics*, 1981, §5.1).
+    Red team 9: one val batch made confidently wrong (a causal per-row trigger that passes every
+    probe) raised the SE as much as the gap, ``se ~ d / X`` against ``gap + d / X``, so with
+    ``z = 4`` any ``d / X > gap / 3`` hid a memorization gap. Clamped, an outlier raises the gap
+    by all its loss and the SE by at most ``WINSOR_K`` robust deviations."""
+    e = [(y - r * x) / math.sqrt(x) for y, x in units if x > 0]
+    if len(e) < 3:
+        return [y - r * x for y, x in units]
+    med = statistics.median(e)
+    spread = WINSOR_K * MAD_TO_SIGMA * statistics.median(abs(v - med) for v in e)
+    lo, hi = med - spread, med + spread
+    return [min(max((y - r * x) / math.sqrt(x), lo), hi) * math.sqrt(x) if x > 0 else y - r * x for y, x in units]
 
 
 def tail_units(steps: Sequence[tuple[float, int]], fraction: float) -> tuple[list[float], list[float]]:
