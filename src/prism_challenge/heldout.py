@@ -216,7 +216,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from torch import nn
 
     from prism_challenge.evaluator.audit import arm
-    from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
+    from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.evaluator.interface import PrismContext, run_context
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
@@ -288,12 +288,22 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
         return out
     except HeldoutError:
         raise
-    except ContractError as exc:
-        raise HeldoutError(f"contract: {exc}") from None
-    except MemoryError:
-        raise HeldoutError(f"{stage}: out of memory (MemoryError)") from None
     except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
-        raise HeldoutError(f"{stage}: {type(exc).__name__}: {exc}") from None
+        raise submission_failure(exc, stage, HeldoutError) from None
+
+
+def submission_failure(exc: Exception, stage: str, error: type[Exception]) -> Exception:
+    """What a child that runs submitted code reports for ``exc`` raised at ``stage`` (import,
+    build, load, score), as ``error`` (:class:`HeldoutError`, the audit's ``AuditError``):
+    ``"contract: ..."`` for the instrument's :class:`ContractError`, ``"<stage>: out of memory
+    (MemoryError)"``, else ``"<stage>: <type>: <message>"``."""
+    from prism_challenge.evaluator.instrument import ContractError
+
+    if isinstance(exc, ContractError):
+        return error(f"contract: {exc}")
+    if isinstance(exc, MemoryError):
+        return error(f"{stage}: out of memory (MemoryError)")
+    return error(f"{stage}: {type(exc).__name__}: {exc}")
 
 
 def _bpb(nats: float, nbytes: int) -> float:

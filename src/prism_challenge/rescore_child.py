@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.heldout import _read_frame, _unpack_batches
+from prism_challenge.heldout import _read_frame, _unpack_batches, submission_failure
 from prism_challenge.rescore import AuditError
 
 
@@ -64,7 +64,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
     from torch import nn
 
     from prism_challenge.evaluator.audit import arm
-    from prism_challenge.evaluator.instrument import ContractError, autocast_dtype
+    from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.evaluator.interface import run_context
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
     from prism_challenge.gates.param_count import count_unique_elements
@@ -106,12 +106,8 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
         return out
     except AuditError:
         raise
-    except ContractError as exc:
-        raise AuditError(f"contract: {exc}") from None
-    except MemoryError:
-        raise AuditError(f"{stage}: out of memory (MemoryError)") from None
     except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
-        raise AuditError(f"{stage}: {type(exc).__name__}: {exc}") from None
+        raise submission_failure(exc, stage, AuditError) from None
 
 
 WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
