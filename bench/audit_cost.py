@@ -1,9 +1,9 @@
 """The audit's cost: its share of a scored run's time, and what it adds to every batch.
 
 * **share**: ``prism eval`` on the example (``examples/tiny-1m``, CPU) at 20k and 200k tokens;
-  printed: the run's wall time, the audit's (``audit.wall_s``: the re-scoring child, then the
-  blind-probe child, one after the other on an emptied folder), its share, and the audited
-  batches. Goal (issue 15): at most 10 % at 200k tokens. With ``--baseline`` each size also runs
+  printed: the run's wall time, the audit's (``audit.wall_s``, the whole stage: the probes' text
+  tokenized, the re-scoring child, then the blind-probe child, one after the other on an emptied
+  folder, and the inputs written for ``prism verify``), its share, and the audited batches. Goal (issue 15): at most 10 % at 200k tokens. With ``--baseline`` each size also runs
   with ``audited_batches=0``: the headline is then the whole command's wall time against the
   unaudited run's, with the stream times beside it (the snapshots rank 0 sends and the feeder
   writes, and the answers).
@@ -13,17 +13,20 @@
   answered each record with a frame of its own before the loop could train: 204 us median,
   410 us p90 per batch on this 2-core machine, against a client process.)
 
-How the share scales: the audit costs one process start that nothing overlaps (interpreter,
-``import torch``, the bundle; about 3-4 s on 2 cores: the blind probe child starts as a spare
-while the re-scoring child works, ``Jail.warm``) plus, per audited batch, one build and load of
-the model and one forward in each child, and the instrument's scoring in the re-scoring child
-(the example: forward 0.26 s, scoring 0.16 s of ``[4, 256, 50257]`` logits). The stream costs per
-batch one scoring forward and the loop's training step (the example: about 1 s). So at ``N``
-batches the share falls as ``(start + A * (2 forward + scoring)) / (N * step)``: linear in ``A``,
-inversely in ``N``; model size scales both the forward and the step, so it leaves the share
-nearly unchanged (a larger model makes the constant start matter less; one whose backward
-dominates its step makes the share smaller). Snapshots add ``A * 4 * parameters`` bytes sent and
-written.
+How the share scales: the audit costs about 5 s whatever ``A`` (the first child's start, which only
+the tokenizing of the probes' text overlaps: interpreter, ``import torch``, the bundle, about 3 s
+on 2 cores; the blind probe child starts as a spare while the re-scoring child works,
+``Jail.warm``; each child's reading of its snapshots; the inputs written for ``prism verify``),
+plus per audited batch one build and load of the model and one forward in each child and the
+instrument's scoring in the re-scoring child (the example: about 0.35 s re-scoring, 0.3 s per
+blind pass; ``auditplan``'s docstring derives ``A = 20`` with one pass from these). The stream
+costs per batch one scoring forward and the loop's training step (the example: about 1 s). So at
+``N`` batches the share falls as ``(5 s + A * (2 forward + scoring)) / (N * step)``: linear in
+``A`` (and ``A`` varies from run to run as ``1 + Binomial(N - 1, (A - 1) / (N - 1))``, one
+standard deviation about ``sqrt(A)`` batches), inversely in ``N``; model size scales both the
+forward and the step, so it leaves the share nearly unchanged (a larger model makes the constant
+part matter less; one whose backward dominates its step makes the share smaller). Snapshots add
+``A * 4 * parameters`` bytes sent and written.
 
 Usage: ``python bench/audit_cost.py [--sizes 20000,200000] [--baseline] [--isolation none]``.
 """

@@ -86,7 +86,13 @@ def test_swallowed_contract_error_still_fails_the_run(tmp_path):
             pass
     """
     o = run(tmp_path, write_bundle(tmp_path / "b", UNIFORM_ARCH, loop), token_budget=500)
-    assert o.failure.stage == "contract" and "differs from the bundle's tokenizer 'bytes'" in o.failure.message
+    assert o.failure.stage == "contract"
+    assert "iter_train_batches(tokenizer='gpt2') differs from the bundle's tokenizer 'bytes'" in o.failure.message
+    # the bundle's own tokenizer by name (a new user's first guess) is the bundle's tokenizer
+    by_name = run(tmp_path / "n", write_bundle(tmp_path / "bn", UNIFORM_ARCH, loop.replace(
+        'tokenizer=ctx.reference_tokenizer("gpt2")', 'tokenizer="bytes"')),
+        token_budget=500)
+    assert by_name.failure is None, by_name.failure
 
 
 ARCH_LINEAR = """
@@ -210,7 +216,7 @@ def test_warm_and_cold_ranks_score_the_same_to_the_last_bit(tmp_path):
     assert warm.failure is None and cold.failure is None, (warm.failure, cold.failure)
     parent = lambda o: (Path(o.run_dir) / "artifacts" / "parent.txt").read_bytes().split(b"\0")  # noqa: E731
     assert parent(warm)[1:3] == [b"-m", b"prism_challenge.evaluator.warm"]  # the pool
-    assert parent(cold)[1:3] == [b"-m", b"torch.distributed.run"]  # torchrun's agent
+    assert parent(cold)[1:3] == [b"-m", b"prism_challenge.evaluator.agent"]  # torchrun's agent (torch.distributed.run)
     assert (warm.manifest["compute"]["warm_ranks"], cold.manifest["compute"]["warm_ranks"]) == (True, False)
     assert warm.manifest["score"]["prequential_bpb"] == cold.manifest["score"]["prequential_bpb"]
     assert warm.manifest["curve"] == cold.manifest["curve"]

@@ -62,9 +62,13 @@ def test_expected_batches_takes_the_smallest_budget():
                             first_step_bytes=300, stream_bytes=None) is None
 
 
-def test_catch_probability_is_one_minus_the_escape():
-    assert catch_probability(0.25, 24) == pytest.approx(1 - 0.75**24)
-    assert catch_probability(0.1, AUDITED_BATCHES) > 0.9
+def test_catch_probability_bounds_the_escape_from_below():
+    assert catch_probability(0.25, 24) == pytest.approx(1 - math.exp(-0.25 * 23))
+    assert catch_probability(0.1, AUDITED_BATCHES) == pytest.approx(0.8504, abs=1e-4)  # the README's 0.85
+    n, a = 197, AUDITED_BATCHES  # each later batch audited at the rate: m cheating batches all missed
+    rate = audit_rate(n, a)
+    for m in (1, 19, 49, 98, 196):
+        assert 1 - (1 - rate) ** m >= catch_probability(m / (n - 1), a)
 
 
 def test_tolerance_is_relative_and_per_device():

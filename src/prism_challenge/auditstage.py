@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,24 +109,43 @@ def child_config(model_config: dict[str, Any], run_config: dict[str, Any], world
 
 
 def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int, data: Any, tokenizer: Any,
-              key: bytes, artifacts: Path, run_dir: Path, timeout_s: float) -> AuditReport:
+              key: bytes, artifacts: Path, run_dir: Path, timeout_s: float,
+              audited_batches: int = AUDITED_BATCHES) -> AuditReport:
     """The audit of a scored run: re-scoring and blind probes in fresh jailed children, inputs
-    written for ``prism verify``. Never raises for the submission's failures (the report says)."""
-    filler, skipped = val_filler(data, tokenizer)
-    if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
-        filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
-    meta = {"audited_batches_target": AUDITED_BATCHES, "rate": result.audit_rate,
+    written for ``prism verify``. Never raises for the submission's failures (the report says).
+
+    The first child starts (:meth:`~prism_challenge.evaluator.jail.Jail.warm`: the interpreter
+    and ``import torch``, no submitted code) as soon as the empty folder exists, so its start-up
+    overlaps the tokenizing of the probes' text; ``wall_s`` is the whole stage's, from before the
+    folder is emptied until the inputs are written (``audited_batches``: the run's ``A``, for the
+    manifest).
+    """
+    from prism_challenge.evaluator.isolation import IsolationError
+    from prism_challenge.rescore import CHILD_ARGV
+
+    t0 = time.monotonic()
+    meta = {"audited_batches_target": audited_batches, "rate": result.audit_rate,
             "expected_batches": result.audit_expected_batches,
             "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"],
             "shape": list(result.shape) if result.shape else None, "context": dict(config["context"])}
     with empty_artifacts(artifacts) as empty:
-        report = run_audit(config, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
-                           timeout_s=timeout_s, artifacts_dir=str(empty), meta=meta)
+        writable = [str(empty)]
+        try:
+            with contextlib.suppress(OSError, IsolationError):  # no spare: the first child starts when fed
+                jail.warm(list(CHILD_ARGV), writable=writable)
+            filler, skipped = val_filler(data, tokenizer)
+            if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
+                filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
+            report = run_audit(config, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
+                               timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
+        finally:
+            jail.drop_spare(list(CHILD_ARGV), writable=writable)  # no audited batch had a snapshot: never fed
     report.probe_skipped = skipped
     try:
         write_inputs(run_dir, result.audits, world_size, filler, key)
     except OSError as exc:
         report.error = report.error or f"audit: cannot write the audited inputs: {exc}"
+    report.wall_s = time.monotonic() - t0
     return report
 
 

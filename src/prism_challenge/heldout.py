@@ -596,4 +596,6 @@ def _model_reply(d: Any, batches: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from prism_challenge.evaluator.childexit import exit_child
+
+    exit_child(main())  # no interpreter teardown (childexit)

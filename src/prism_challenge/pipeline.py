@@ -548,7 +548,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                     audit = audit_run(jail=sandbox.jail, config=child_config(
                         _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
                         result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
-                        artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout)
+                        artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout,
+                        audited_batches=opts.audited_batches)
                 heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
                                                   context_values(config, opts.nproc))
                 verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,

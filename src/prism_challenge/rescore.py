@@ -45,10 +45,12 @@ from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.heldout import _frame, _pack_batches
 
-BLIND_PASSES = 2
+BLIND_PASSES = 1
 """Blind probe batches per audited slice, each with its own keyed positions: a model that reads the
 future at a fraction ``q`` of the positions escapes them with probability about
-``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches)."""
+``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches). Each pass costs
+one forward per audited batch, as much as the re-scoring's: the cost goal buys more audited
+batches with one pass than more passes (:mod:`~prism_challenge.evaluator.auditplan`)."""
 CHILD_STATE_BYTES = 1 << 30
 """Most snapshot bytes one child is sent: more snapshots go to further children."""
 STDERR_TAIL_LINES = 15

@@ -153,4 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from prism_challenge.evaluator.childexit import exit_child
+
+    exit_child(main())  # no interpreter teardown (childexit)

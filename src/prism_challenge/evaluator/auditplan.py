@@ -15,16 +15,32 @@ key is the run's secret probe key, never shown to the sandbox). The rate is fixe
 first batch is cut, from the number of batches the budgets let the stream have
 (:func:`expected_batches`): ``rate = min(1, (A - 1) / (N - 1))`` for ``A =``
 :data:`AUDITED_BATCHES`, so a run of ``N`` batches audits ``A`` of them on average (``1 +
-Binomial(N - 1, rate)``). The stream runs on at the same rate past the estimate; a stream cut
-short (a wall-clock budget) audits fewer.
+Binomial(N - 1, rate)``: about ``A +- sqrt(A)``). The stream runs on at the same rate past the
+estimate; a stream cut short (a wall-clock budget) audits fewer. Each batch is drawn on its own,
+not ``A`` batches without replacement: the rank learns whether a batch was audited from the
+answer to its record (it must send that batch's snapshot), so with a fixed count it would know
+when the audits were spent and cheat on the rest of the stream; independent draws tell it
+nothing about the batches to come.
 
 **Why A.** A cheat active on a fraction ``f`` of the batches escapes when no audited batch is one
-of them: drawn independently at the rate, ``P(escape) = (1 - rate)^(f N) ~ exp(-f (A - 1))``,
-close to the familiar ``1 - (1 - f)^A`` catch probability of ``A`` draws
-(:func:`catch_probability`); batch 0 is audited besides, so a cheat active from the first batch
-is always caught. At ``A = 24``: ``f = 1/2`` is caught with probability ``1 - 2^-24``, ``f =
-1/4`` with 0.999, ``f = 1/10`` with 0.92. A cheat that gains on a tenth of the batches gains a
-tenth as much.
+of them: drawn independently at the rate, ``P(escape) = (1 - rate)^(f (N - 1)) <= exp(-f (A -
+1))`` (:func:`catch_probability` gives the bound's complement); batch 0 is audited besides, so
+a cheat active from the first batch is always caught. ``A`` is the largest count that keeps the audit
+within issue 15's cost goal, at most 10 % of the run at 200k tokens of the example on 2 CPU cores
+(``bench/audit_cost.py`` prints the measured share). The audit costs about ``s = 5`` s whatever
+``A`` (the first child's start, which only the tokenizing of the probes' text overlaps; each
+child's reading of its snapshots; the inputs written for ``prism verify``) plus per audited batch
+``c = 0.35 + 0.3 p`` s (a build, load, forward and scoring in the re-scoring child, one forward
+per blind pass ``p`` in the blind child), against about 210 s for the unaudited run (197
+batches): ``(s + A c) / (210 + s + A c) <= 0.10`` gives ``A <= 16`` at ``p = 2`` and ``A <= 23``
+at ``p = 1``. A state switch active on a tenth of the batches gains more than a peek at one
+position in 64 and is caught only by the re-scoring, so the budget goes to ``A``:
+:data:`~prism_challenge.rescore.BLIND_PASSES` ``= 1`` and ``A = 20`` (measured: 8 % of the run;
+one standard deviation of the count, ``sqrt(A)``, is about 1.3 % of the run).
+At ``A = 20``: ``f = 1/2`` is caught with probability at least 0.99993, ``f = 1/4`` with 0.991,
+``f = 1/10`` with 0.85; a cheat that gains on a tenth of the batches gains a tenth as
+much. The blind probes look at ``B`` positions per audited batch, ``B A`` in all: a peek at one
+position in 6 escapes them with probability ``(5/6)^(4 * 20) = 5e-7`` at ``B = 4``.
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ import hashlib
 import hmac
 import math
 
-AUDITED_BATCHES = 24
+AUDITED_BATCHES = 20
 """``A``: the audited batches of a run, on average (batch 0 among them)."""
 
 RESCORE_RTOL: dict[str, float] = {"cpu": 1e-6, "cuda": 1e-5}
@@ -83,9 +99,12 @@ def expected_batches(*, rows_per_step: int, seq_len: int, step_budget: int | Non
 
 
 def catch_probability(f: float, audited: int = AUDITED_BATCHES) -> float:
-    """``1 - (1 - f)^A``: the chance that ``A`` independently audited batches include one of a
-    cheat active on a fraction ``f`` of the batches."""
-    return 1.0 - (1.0 - f) ** audited
+    """``1 - exp(-f (A - 1))``: a lower bound, for every stream length ``N``, on the chance that
+    the batches audited after the first include one of a cheat active on a fraction ``f`` of
+    them: each is drawn at ``rate = (A - 1) / (N - 1)``, so the escape is ``(1 - rate)^(f (N -
+    1)) <= exp(-rate f (N - 1)) = exp(-f (A - 1))`` (``ln(1 - x) <= -x``), the limit of large
+    ``N``; a cheat active at batch 0 is always caught."""
+    return 1.0 - math.exp(-f * max(0, audited - 1))
 
 
 def within(recorded: float | None, rescored: float | None, device: str) -> bool:

@@ -119,7 +119,7 @@ class PrismContext:
         *,
         batch_size: int,
         seq_len: int | None = None,
-        tokenizer: ReferenceTokenizer | None = None,
+        tokenizer: ReferenceTokenizer | str | None = None,
     ) -> Iterator[Batch]:
         """The train stream, one :class:`Batch` at a time, each scored before it is yielded.
 
@@ -132,7 +132,8 @@ class PrismContext:
                 return logits ``[B, T, V' >= V]``.
             batch_size: rows per batch, ``>= 1``.
             seq_len: tokens per row, ``2 <= seq_len <= ctx.sequence_length`` (default: the max).
-            tokenizer: if given, must be the bundle's tokenizer.
+            tokenizer: if given, the bundle's tokenizer (``prism.yaml``'s ``tokenizer``): its name
+                (``"gpt2"``, ``"bytes"``) or ``ctx.reference_tokenizer(name)``; nothing else.
 
         Raises:
             NoRuntimeError: outside a PRISM run.

@@ -30,6 +30,7 @@ MONITOR_INTERVAL_S = 0.5  # torchrun's agent polls its ranks this often (its def
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this size come from the heap
 MALLOC_TRIM_THRESHOLD = 1 << 40  # never give freed heap memory back (see compute_env)
 RUNNER_MODULE = "prism_challenge.evaluator.rank"  # ties the rank to the agent, then runs the runner
+AGENT_MODULE = "prism_challenge.evaluator.agent"  # torch.distributed.run's main, ended without teardown
 WARM_POOL_MODULE = "prism_challenge.evaluator.warm"  # warm ranks claimed by torchrun's workers
 
 
@@ -64,7 +65,7 @@ def torchrun_command(nproc: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={RENDEZVOUS_ADDR}:0",
         "--rdzv-id=prism",

@@ -35,6 +35,7 @@ from torch import nn
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.audit import arm
 from prism_challenge.evaluator.census import TensorCensus
+from prism_challenge.evaluator.childexit import exit_child
 from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext, context_values, run_context
@@ -152,11 +153,17 @@ class Runtime:
                 f"is held to the cap, not only build_model's)"
             )
         if tokenizer is not None:
-            name = tokenizer.name if isinstance(tokenizer, ReferenceTokenizer) else repr(tokenizer)
-            if not isinstance(tokenizer, ReferenceTokenizer) or tokenizer.name != self.tokenizer_name:
+            if isinstance(tokenizer, ReferenceTokenizer) or type(tokenizer) is str:
+                name = tokenizer.name if isinstance(tokenizer, ReferenceTokenizer) else tokenizer
+                if name != self.tokenizer_name:
+                    raise self.contract_error(
+                        f"iter_train_batches(tokenizer={name!r}) differs from the bundle's tokenizer "
+                        f"{self.tokenizer_name!r} (prism.yaml's 'tokenizer:' field names the one the stream uses)"
+                    )
+            else:
                 raise self.contract_error(
-                    f"iter_train_batches(tokenizer={name}) differs from the bundle's tokenizer "
-                    f"{self.tokenizer_name!r} (declare it in prism.yaml: 'tokenizer: {name}')"
+                    f"iter_train_batches(tokenizer=...) takes a tokenizer's name (a str) or "
+                    f"ctx.reference_tokenizer(name), got {type(tokenizer).__name__}"
                 )
         self._iterated = True
         self.scored_model = model
@@ -453,7 +460,5 @@ def main() -> None:
     )
     code = run(sock, rank, local_rank, world_size)
     sock.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: submitted atexit hooks and threads do not run on
+    exit_child(code)  # skip interpreter teardown: submitted atexit hooks and threads do not run on
 
