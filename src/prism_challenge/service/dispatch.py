@@ -30,14 +30,8 @@ Retries: an ``infrastructure`` failure puts the submission back to ``pending`` w
 (:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
 row. A ``submission`` failure is final at once.
 
-Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start`): every ``running``
-submission's current attempt is looked up by its actor's name; a live actor is tracked again
-(its running evaluation is left alone, a finished one's result collected), a missing one is
-recorded as lost (``dispatch``) and so re-dispatched. Actors of attempts that have ended (a
-superseded attempt's included) are killed; actors whose token this database does not know are
-left alone. Detached actors outlive the driver that made them on a cluster started with
-``ray start`` (``ray_address``); the embedded Ray (``ray_address=None``) is the service's own
-child and ends with it, so its running attempts are re-dispatched after a restart.
+Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start` and every
+:data:`RECONCILE_S` seconds): :mod:`prism_challenge.service.recovery`.
 
 One dispatcher per database: two would each adopt the other's running attempts (the fence keeps
 each result single, but both would track, write and kill).
@@ -57,10 +51,10 @@ from typing import Any
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
 from prism_challenge.results import EvalResult
+from prism_challenge.service.recovery import Reconciled, kill_actor, reconcile
 from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError
 from prism_challenge.service.unstored import LAUNCH_FAILED, WRITE_TRIES, first_line, reason, stand_in, unreachable
 from prism_challenge.service.worker import (
-    ACTOR_PREFIX,
     NAMESPACE,
     Evaluation,
     Job,
@@ -100,17 +94,6 @@ def resources_for(profile: Profile, cluster_gpus: float) -> dict[str, float]:
     if device == "cuda" or (device == "auto" and cluster_gpus > 0):
         return {"num_gpus": nproc, "num_cpus": 1}
     return {"num_cpus": nproc}
-
-
-@dataclass(frozen=True)
-class Reconciled:
-    """What :meth:`Dispatcher.reconcile` did: submission ids whose live attempt is tracked again,
-    submission ids whose attempt was gone (recorded as lost: retried or failed), and the number of
-    actors killed because their attempt has ended."""
-
-    adopted: list[int]
-    lost: list[int]
-    killed: int
 
 
 @dataclass
@@ -362,7 +345,7 @@ class Dispatcher:
         for tok, t in list(self._tracked.items()):
             if t.result is not None and self._store(t):  # raises while the store is unreachable: kept, retried
                 del self._tracked[tok]
-                _kill(t.actor)
+                kill_actor(t.actor)
 
     def _store(self, t: _Track) -> bool:
         """Write ``t.result``; whether the attempt is done with (written, discarded, or given up
@@ -430,64 +413,10 @@ class Dispatcher:
     # -- recovery -----------------------------------------------------------------------------
     def reconcile(self) -> Reconciled:
         """Match every ``running`` submission this dispatcher does not track against the cluster
-        (module docstring). Run at start, then every :data:`RECONCILE_S` seconds by the loop (a
-        claim whose actor could not be made and whose failure could not be written is found
-        again); not thread-safe: call it yourself only while the loop is stopped."""
-        import ray
-
-        adopted, lost = [], []
-        for claim in self.store.running():
-            if claim.token in self._tracked or claim.token in self._unlaunched:
-                continue
-            if not claim.token:  # an attempt made before fencing existed: nothing on Ray to find
-                if self._lost(claim, "an attempt from before migration 0003 was running when the service restarted"):
-                    lost.append(claim.submission_id)
-                continue
-            try:
-                actor = ray.get_actor(actor_name(claim.token), namespace=NAMESPACE)
-            except ValueError:
-                if self._lost(claim, f"attempt {claim.number}'s Ray actor was gone when the dispatcher reconciled"):
-                    lost.append(claim.submission_id)
-                continue
-            self._track(claim, actor)
-            adopted.append(claim.submission_id)
-        killed = 0
-        untracked = [e["name"][len(ACTOR_PREFIX):] for e in ray.util.list_named_actors(all_namespaces=True)
-                     if e["namespace"] == NAMESPACE and e["name"].startswith(ACTOR_PREFIX)
-                     and e["name"][len(ACTOR_PREFIX):] not in self._tracked]
-        for token in sorted(self.store.ended(untracked)):  # another database's actors are left alone
-            try:
-                _kill(ray.get_actor(actor_name(token), namespace=NAMESPACE))
-                killed += 1
-                log.warning("killed the actor of attempt token %s, which has ended (its result was written)", token)
-            except ValueError:
-                pass
-        self._last_reconcile = time.monotonic()
-        if adopted or lost or killed:
-            log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors", self.name, adopted,
-                     lost, killed)
-        return Reconciled(adopted, lost, killed)
-
-    def _lost(self, claim: Claim, message: str) -> bool:
-        """Record a running attempt that reconcile found gone; whether it was written (a failure
-        the database refuses is logged and left to the next reconcile: the others go on).
-
-        Raises:
-            the database's error while it is unreachable.
-        """
-        result = failure_result(EvalFailure("dispatch", message))
-        try:
-            if claim.token:
-                self._write(claim, result)
-            else:
-                self.store.finish(claim.attempt_id, result)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            if unreachable(exc):
-                raise
-            log.exception("submission %d: attempt %d is gone, but that could not be stored: the next reconcile "
-                          "tries again", claim.submission_id, claim.number)
-            return False
+        (:func:`prism_challenge.service.recovery.reconcile`). Run at start, then every
+        :data:`RECONCILE_S` seconds by the loop; not thread-safe: call it yourself only while the
+        loop is stopped."""
+        return reconcile(self)
 
 
 def start(state: Any) -> Dispatcher:
@@ -503,15 +432,6 @@ def start(state: Any) -> Dispatcher:
                       backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
                       data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
                       profiles={settings.profile: profile, profile.name: profile}).start()
-
-
-def _kill(actor: Any) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
 
 
 __all__ = ["DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
