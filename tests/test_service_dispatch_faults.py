@@ -218,3 +218,22 @@ def test_a_lost_attempt_whose_record_is_refused_does_not_stop_the_reconcile(stor
     assert (done.adopted, done.lost, done.killed) == ([], [other], 0) and faults.fired == [(refused, 1)]
     assert store.submission(refused).status == "running" and store.submission(other).status == "pending"
     assert "was gone when the dispatcher reconciled" in store.attempts(other)[0].failure_message
+
+
+def test_only_errors_of_an_unreachable_database_are_retried_as_they_are():
+    from sqlalchemy import exc
+
+    from prism_challenge.service.unstored import first_line, unreachable
+
+    orig = Exception("boom")
+    retried = [exc.OperationalError("SELECT 1", {}, orig), exc.InterfaceError("SELECT 1", {}, orig),
+               exc.DisconnectionError("gone"), exc.TimeoutError("QueuePool limit of size 5 overflow 10 reached"),
+               exc.DBAPIError("SELECT 1", {}, orig, connection_invalidated=True)]
+    refused = [exc.DataError("INSERT", {}, orig), exc.IntegrityError("INSERT", {}, orig),
+               exc.StatementError("bad parameter", "INSERT", {}, orig), exc.DBAPIError("SELECT 1", {}, orig),
+               KeyError("run_dir"), ValueError("x")]
+    assert [unreachable(e) for e in retried] == [True] * 5
+    assert [unreachable(e) for e in refused] == [False] * 6
+    assert first_line(ValueError("first\nsecond")) == "ValueError: first"
+    assert first_line(RuntimeError("x" * 400)) == "RuntimeError: " + "x" * 300
+    assert first_line(KeyError("run_dir")) == "KeyError: 'run_dir'"

@@ -106,7 +106,7 @@ class _Track:
     where: Any
     node: str | None = None
     node_sent: bool = False
-    result: EvalResult | None = None  # collected, not yet written (the store was unreachable)
+    result: EvalResult | None = None  # collected, not yet written (the store unreachable, or refusing it)
     profile: Profile | None = field(default=None, repr=False)
     refused: int = 0  # rounds the write of ``result`` failed, the database reachable
     replaced: bool = False  # ``result`` is the stand-in of one the database refused (unstored.stand_in)
@@ -226,7 +226,13 @@ class Dispatcher:
                 self._stop.wait(self.poll_s)
 
     def step(self) -> None:
-        """One round: heartbeats, collect ended attempts, claim and launch while slots are free."""
+        """One round: heartbeats, the reconcile when due, the kept claims launched, ended attempts
+        collected, new claims launched while slots are free (module docstring).
+
+        Raises:
+            the database's or Ray's error when the round cannot go on (the loop logs it and runs
+            the next round; what was collected or claimed is kept).
+        """
         if time.monotonic() - self._last_beat >= HEARTBEAT_S:
             self._beat()
         if time.monotonic() - self._last_reconcile >= RECONCILE_S:
