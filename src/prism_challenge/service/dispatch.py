@@ -10,9 +10,18 @@ A :class:`Dispatcher` runs one thread in the service. Each round it
    is written with :meth:`Store.record <prism_challenge.service.store.Store.record>` under the
    attempt's fencing token (a superseded attempt's result is discarded, a write retried after
    a dropped connection changes nothing), and only then is the actor killed;
-3. claims pending submissions while fewer than ``slots`` attempts are in flight, and creates one
-   detached, named actor per attempt on the node Ray picks, asking for the run's resources
-   (:func:`resources_for`), with the bundle's bytes and the loaded profile as its argument.
+3. launches the claims it kept from an earlier round, then claims pending submissions while
+   fewer than ``slots`` attempts are in flight, and creates one detached, named actor per
+   attempt on the node Ray picks, asking for the run's resources (:func:`resources_for`), with
+   the bundle's bytes and the loaded profile as its argument.
+
+Database errors (:mod:`prism_challenge.service.unstored`): while the database is unreachable a
+round fails and is tried again, each collected result and each claim whose launch raised kept
+(a kept claim is launched under its own token, not claimed again, and heartbeated meanwhile, so
+the watchdog sees it owned). Any other failure of one attempt's write or launch is that
+attempt's alone: the rest of the round goes on, and after
+:data:`~prism_challenge.service.unstored.WRITE_TRIES` rounds the attempt ends as an
+``infrastructure`` failure naming the error (retried per the retry policy).
 
 An idle round waits ``poll_s`` for :meth:`Dispatcher.wake`, which the intake calls for each
 submission it accepts: a new submission is claimed at once, not at the end of a poll.
@@ -21,14 +30,8 @@ Retries: an ``infrastructure`` failure puts the submission back to ``pending`` w
 (:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
 row. A ``submission`` failure is final at once.
 
-Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start`): every ``running``
-submission's current attempt is looked up by its actor's name; a live actor is tracked again
-(its running evaluation is left alone, a finished one's result collected), a missing one is
-recorded as lost (``dispatch``) and so re-dispatched. Actors of attempts that have ended (a
-superseded attempt's included) are killed; actors whose token this database does not know are
-left alone. Detached actors outlive the driver that made them on a cluster started with
-``ray start`` (``ray_address``); the embedded Ray (``ray_address=None``) is the service's own
-child and ends with it, so its running attempts are re-dispatched after a restart.
+Recovery (:meth:`Dispatcher.reconcile`, run by :meth:`Dispatcher.start` and every
+:data:`RECONCILE_S` seconds): :mod:`prism_challenge.service.recovery`.
 
 One dispatcher per database: two would each adopt the other's running attempts (the fence keeps
 each result single, but both would track, write and kill).
@@ -48,9 +51,10 @@ from typing import Any
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
 from prism_challenge.results import EvalResult
+from prism_challenge.service.recovery import Reconciled, kill_actor, reconcile
 from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError
+from prism_challenge.service.unstored import LAUNCH_FAILED, WRITE_TRIES, first_line, reason, stand_in, unreachable
 from prism_challenge.service.worker import (
-    ACTOR_PREFIX,
     NAMESPACE,
     Evaluation,
     Job,
@@ -92,17 +96,6 @@ def resources_for(profile: Profile, cluster_gpus: float) -> dict[str, float]:
     return {"num_cpus": nproc}
 
 
-@dataclass(frozen=True)
-class Reconciled:
-    """What :meth:`Dispatcher.reconcile` did: submission ids whose live attempt is tracked again,
-    submission ids whose attempt was gone (recorded as lost: retried or failed), and the number of
-    actors killed because their attempt has ended."""
-
-    adopted: list[int]
-    lost: list[int]
-    killed: int
-
-
 @dataclass
 class _Track:
     """An attempt in flight: its claim, actor, pending ``result()`` and ``where()`` refs."""
@@ -113,8 +106,18 @@ class _Track:
     where: Any
     node: str | None = None
     node_sent: bool = False
-    result: EvalResult | None = None  # collected, not yet written (the store was unreachable)
+    result: EvalResult | None = None  # collected, not yet written (the store unreachable, or refusing it)
     profile: Profile | None = field(default=None, repr=False)
+    refused: int = 0  # rounds the write of ``result`` failed, the database reachable
+    replaced: bool = False  # ``result`` is the stand-in of one the database refused (unstored.stand_in)
+
+
+@dataclass
+class _Kept:
+    """A claim whose launch raised: launched first next round under the same token."""
+
+    claim: Claim
+    refused: int = 0  # rounds its launch failed, the database reachable
 
 
 class Dispatcher:
@@ -149,6 +152,7 @@ class Dispatcher:
         self.data_dir, self.default_profile, self.poll_s = data_dir, default_profile, poll_s
         self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._tracked: dict[str, _Track] = {}
+        self._unlaunched: dict[str, _Kept] = {}  # claims whose launch raised, by token
         self._profiles: dict[str, Profile] = dict(profiles or {})
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by wake(): a submission arrived, claim now
@@ -222,22 +226,33 @@ class Dispatcher:
                 self._stop.wait(self.poll_s)
 
     def step(self) -> None:
-        """One round: heartbeats, collect ended attempts, claim and launch while slots are free."""
+        """One round: heartbeats, the reconcile when due, the kept claims launched, ended attempts
+        collected, new claims launched while slots are free (module docstring).
+
+        Raises:
+            the database's or Ray's error when the round cannot go on (the loop logs it and runs
+            the next round; what was collected or claimed is kept).
+        """
         if time.monotonic() - self._last_beat >= HEARTBEAT_S:
             self._beat()
         if time.monotonic() - self._last_reconcile >= RECONCILE_S:
             self.reconcile()
-        self._collect(self.poll_s if self._tracked else 0.0)
         launched = False
-        while len(self._tracked) < self.slots and not self._stop.is_set():
+        for kept in list(self._unlaunched.values()):  # raises while the store is unreachable: still kept
+            launched |= self._try_launch(kept)
+        self._collect(self.poll_s if self._tracked else 0.0)
+        while len(self._tracked) + len(self._unlaunched) < self.slots and not self._stop.is_set():
             claim = self.store.claim(worker=self.name)
             if claim is None:
                 break
-            self._launch(claim)
+            self._try_launch(self._unlaunched.setdefault(claim.token, _Kept(claim)))
             launched = True
-        if not self._tracked and not launched:
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
+        if not launched and not any(t.result is None for t in self._tracked.values()):  # ray.wait paced no one
+            if self._tracked or self._unlaunched:  # writes or launches to try again: not before poll_s
+                self._stop.wait(self.poll_s)
+            else:
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
 
     def _node(self, t: _Track) -> str | None:
         """The attempt's node (``ip node-id pid``) once its ``where()`` answered, else ``None``."""
@@ -254,7 +269,7 @@ class Dispatcher:
     def _beat(self) -> None:
         nodes = {tok: t.node for tok, t in self._tracked.items() if self._node(t) and not t.node_sent}
         self.store.dispatcher_beat(self.name)
-        self.store.heartbeat(list(self._tracked), node=nodes)
+        self.store.heartbeat(list(self._tracked) + list(self._unlaunched), node=nodes)
         for tok in nodes:
             self._tracked[tok].node_sent = True
         self._last_beat = time.monotonic()
@@ -265,6 +280,33 @@ class Dispatcher:
         if name not in self._profiles:
             self._profiles[name] = load_profile(name)
         return self._profiles[name]
+
+    def _try_launch(self, kept: _Kept) -> bool:
+        """Launch a kept claim; whether it is done with (tracked, or its failure written).
+
+        Raises:
+            the database's error while it is unreachable (the claim stays kept).
+        """
+        claim = kept.claim
+        try:
+            self._launch(claim)
+        except Exception as exc:  # noqa: BLE001 - see unstored: one claim's trouble is its own
+            if unreachable(exc):
+                raise
+            kept.refused += 1
+            log.warning("submission %d: attempt %d could not be launched (round %d of %d)", claim.submission_id,
+                        claim.number, kept.refused, WRITE_TRIES, exc_info=True)
+            if kept.refused < WRITE_TRIES:
+                return False
+            try:
+                self._write(claim, failure_result(EvalFailure("dispatch", reason(LAUNCH_FAILED, exc))))
+            except Exception as again:  # noqa: BLE001
+                if unreachable(again):
+                    raise
+                log.exception("submission %d: attempt %d's launch failure could not be stored either: left to the "
+                              "reconcile", claim.submission_id, claim.number)
+        del self._unlaunched[claim.token]
+        return True
 
     def _launch(self, claim: Claim) -> None:
         """Create the attempt's actor, or record why it could not be (an infrastructure failure)."""
@@ -307,17 +349,44 @@ class Dispatcher:
                 t = self._tracked[pending[ref]]
                 t.result = self._outcome(t, ref)
         for tok, t in list(self._tracked.items()):
-            if t.result is not None:
-                if not t.node_sent and self._node(t):
-                    self.store.heartbeat([tok], node={tok: t.node})
-                    t.node_sent = True
-                try:
-                    self._write(t.claim, t.result)  # raises while the store is unreachable: kept, retried
-                except TransitionError:  # no attempt has the token (the row was deleted): nothing to fence
-                    log.exception("submission %d: attempt %d's result has no attempt to go to",
-                                  t.claim.submission_id, t.claim.number)
+            if t.result is not None and self._store(t):  # raises while the store is unreachable: kept, retried
                 del self._tracked[tok]
-                _kill(t.actor)
+                kill_actor(t.actor)
+
+    def _store(self, t: _Track) -> bool:
+        """Write ``t.result``; whether the attempt is done with (written, discarded, or given up
+        on: module docstring). A result refused on :data:`WRITE_TRIES` rounds is replaced by its
+        stand-in (:func:`~prism_challenge.service.unstored.stand_in`), written at once.
+
+        Raises:
+            the database's error while it is unreachable (the result stays with ``t``).
+        """
+        claim = t.claim
+        try:
+            if not t.node_sent and self._node(t):
+                self.store.heartbeat([claim.token], node={claim.token: t.node})
+                t.node_sent = True
+            self._write(claim, t.result)
+            return True
+        except TransitionError:  # no attempt has the token (the row was deleted): nothing to fence
+            log.exception("submission %d: attempt %d's result has no attempt to go to", claim.submission_id,
+                          claim.number)
+            return True
+        except Exception as exc:  # noqa: BLE001 - see unstored: one result's trouble is its own
+            if unreachable(exc):
+                raise
+            t.refused += 1
+            log.warning("submission %d: attempt %d's %s result could not be stored (round %d of %d)",
+                        claim.submission_id, claim.number, t.result.status, t.refused, WRITE_TRIES, exc_info=True)
+            if t.refused < WRITE_TRIES:
+                return False
+            if t.replaced:
+                log.error("submission %d: attempt %d's stand-in failure could not be stored either (%s): left to "
+                          "the reconcile", claim.submission_id, claim.number, first_line(exc))
+                return True
+            t.result, t.refused, t.replaced = stand_in(claim, t.result, exc, blobs=self.blobs,
+                                                       profile=t.profile), 0, True
+            return self._store(t)
 
     def _outcome(self, t: _Track, ref: Any) -> EvalResult | None:
         """The attempt's result from its ready ``result()`` ref; ``None`` (and a new call) while
@@ -350,45 +419,10 @@ class Dispatcher:
     # -- recovery -----------------------------------------------------------------------------
     def reconcile(self) -> Reconciled:
         """Match every ``running`` submission this dispatcher does not track against the cluster
-        (module docstring). Run at start, then every :data:`RECONCILE_S` seconds by the loop (a
-        claim whose actor could not be made and whose failure could not be written is found
-        again); not thread-safe: call it yourself only while the loop is stopped."""
-        import ray
-
-        adopted, lost = [], []
-        for claim in self.store.running():
-            if claim.token in self._tracked:
-                continue
-            if not claim.token:  # an attempt made before fencing existed: nothing on Ray to find
-                self.store.finish(claim.attempt_id, failure_result(EvalFailure(
-                    "dispatch", "an attempt from before migration 0003 was running when the service restarted")))
-                lost.append(claim.submission_id)
-                continue
-            try:
-                actor = ray.get_actor(actor_name(claim.token), namespace=NAMESPACE)
-            except ValueError:
-                self._write(claim, failure_result(EvalFailure(
-                    "dispatch", f"attempt {claim.number}'s Ray actor was gone when the dispatcher reconciled")))
-                lost.append(claim.submission_id)
-                continue
-            self._track(claim, actor)
-            adopted.append(claim.submission_id)
-        killed = 0
-        untracked = [e["name"][len(ACTOR_PREFIX):] for e in ray.util.list_named_actors(all_namespaces=True)
-                     if e["namespace"] == NAMESPACE and e["name"].startswith(ACTOR_PREFIX)
-                     and e["name"][len(ACTOR_PREFIX):] not in self._tracked]
-        for token in sorted(self.store.ended(untracked)):  # another database's actors are left alone
-            try:
-                _kill(ray.get_actor(actor_name(token), namespace=NAMESPACE))
-                killed += 1
-                log.warning("killed the actor of attempt token %s, which has ended (its result was written)", token)
-            except ValueError:
-                pass
-        self._last_reconcile = time.monotonic()
-        if adopted or lost or killed:
-            log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors", self.name, adopted,
-                     lost, killed)
-        return Reconciled(adopted, lost, killed)
+        (:func:`prism_challenge.service.recovery.reconcile`). Run at start, then every
+        :data:`RECONCILE_S` seconds by the loop; not thread-safe: call it yourself only while the
+        loop is stopped."""
+        return reconcile(self)
 
 
 def start(state: Any) -> Dispatcher:
@@ -404,15 +438,6 @@ def start(state: Any) -> Dispatcher:
                       backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
                       data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
                       profiles={settings.profile: profile, profile.name: profile}).start()
-
-
-def _kill(actor: Any) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
 
 
 __all__ = ["DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
