@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,9 +41,28 @@ def fresh_postgres(admin_url: str) -> Iterator[str]:
     try:
         yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _drop(admin, name)
         admin.dispose()
+
+
+def _drop(admin, name: str, tries: int = 20) -> None:
+    """Drop database ``name``: end this role's own connections to it, then a plain ``DROP
+    DATABASE``, which also stops an autovacuum worker on it (``WITH (FORCE)`` instead refuses a
+    role without ``pg_signal_backend`` when autovacuum happens to be there: "must be a member of
+    the role whose process is being terminated"); retried while a connection is still closing."""
+    from sqlalchemy.exc import OperationalError
+
+    for attempt in range(tries):
+        with admin.connect() as c:
+            c.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n "
+                           "AND usename = current_user AND pid <> pg_backend_pid()"), {"n": name})
+            try:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+                return
+            except OperationalError:  # "is being accessed by other users": a connection still closing
+                if attempt == tries - 1:
+                    raise
+        time.sleep(0.25)
 
 
 def postgres_admin_url() -> str | None:
