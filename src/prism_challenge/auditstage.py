@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL
-from prism_challenge.rescore import AuditReport, plan, run_audit
+from prism_challenge.rescore import CHILD_ARGV, AuditReport, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
 BUNDLE_COPY = "bundle"
@@ -121,7 +121,6 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     manifest).
     """
     from prism_challenge.evaluator.isolation import IsolationError
-    from prism_challenge.rescore import CHILD_ARGV
 
     t0 = time.monotonic()
     meta = {"audited_batches_target": audited_batches, "rate": result.audit_rate,

@@ -17,13 +17,13 @@ import sys
 from typing import NoReturn
 
 
-def exit_child(code: int | None = 0, *files: object) -> NoReturn:
-    """Flush ``sys.stdout``, ``sys.stderr`` and ``files`` (objects with ``flush``), then end the
-    process at once with ``code`` (``None``: 0; outside ``0..255``: 1), skipping interpreter
-    teardown. A flush that fails (a closed pipe: the parent is gone) is ignored."""
-    for f in (*files, sys.stdout, sys.stderr):
+def exit_child(code: object = 0) -> NoReturn:
+    """Flush ``sys.stdout`` and ``sys.stderr``, then end the process at once with ``code``
+    (``None``: 0; anything but an int in ``0..255``: 1), skipping interpreter teardown. A flush
+    that fails (a closed pipe: the parent is gone) is ignored."""
+    for f in (sys.stdout, sys.stderr):
         try:
-            f.flush()  # type: ignore[attr-defined]
+            f.flush()
         except Exception:  # noqa: BLE001, S110 - nothing left to tell: the process ends either way
             pass
     code = 0 if code is None else code

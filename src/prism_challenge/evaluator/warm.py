@@ -49,6 +49,8 @@ import subprocess
 import sys
 from typing import Any
 
+from prism_challenge.evaluator.childexit import exit_child
+
 ENV_WARM_SOCKET = "PRISM_WARM_SOCKET"
 RANK_MODULE = "prism_challenge.evaluator.rank"
 CLAIM_TIMEOUT_S = 10.0  # a stub sends its environment at once after connecting
@@ -173,7 +175,7 @@ def _end_like(status: dict[str, Any] | None) -> None:
             pass
         os._exit(128 + sig)
     code = status.get("exit") if status else None
-    os._exit(code if isinstance(code, int) and 0 <= code <= 255 else 1)
+    exit_child(1 if code is None else code)  # no status: the warm process's end is unknown
 
 
 # -- the warm process ----------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prism_challenge.evaluator.childexit import exit_child
+
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
 
@@ -436,13 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         result = _child(args)
     except BaseException as exc:  # noqa: BLE001
         result = {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc)}
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
     os.write(real_stdout, (json.dumps(result) + "\n").encode())
-    os._exit(0)
+    exit_child(0)  # the bundle's buffered output flushed to stderr, no interpreter teardown
 
 
 # ---------------------------------------------------------------------------------------------
