@@ -197,13 +197,13 @@ def test_a_run_killed_from_outside_is_an_infrastructure_failure(tmp_path):
                                           lambda e: isinstance(e, BatchScored))
     assert reached.wait(300)
     children = [pid for pid, info in _processes().items() if info[0] == os.getpid()]
-    assert len(children) == 1, children  # torchrun's launcher (the sandbox around it)
+    assert len(children) == 1, children  # the launcher (the sandbox around the single-rank agent)
     os.kill(children[0], signal.SIGKILL)
     thread.join(120)
     result = box["result"]
     assert (result.status, result.kind) == ("failed", "infrastructure")
     assert (result.failure.stage, result.failure.cause) == ("runner", "killed")
-    assert result.failure.message.startswith("torchrun ended on signal 9 that the harness did not send")
+    assert result.failure.message.startswith("the single-rank agent ended on signal 9 that the harness did not send")
     assert _on_disk(result).failure.kind == "infrastructure"
 
 

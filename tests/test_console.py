@@ -28,6 +28,8 @@ def test_torchrun_dump_and_c10d_warning_are_stripped():
     assert strip_launcher_dump(text) == "step 1\nafter"
     assert strip_launcher_dump("Traceback (most recent call last):\n  File \"t.py\"\nValueError: x") == \
         "Traceback (most recent call last):\n  File \"t.py\"\nValueError: x"  # the loop's own traceback stays
+    # the single-rank agent's one line of the same kind (evaluator/single.py writes it)
+    assert strip_launcher_dump("step 1\nprism single-rank agent: rank 0 failed (exitcode: 1)\nafter") == "step 1\nafter"
 
 
 def test_seed_stats_use_the_sample_std_and_skip_failed_runs():

@@ -208,20 +208,51 @@ PARENT_LOOP = LOOP.format(lr=0.5, batch=2, seq_len=32).replace(
 
 
 def test_warm_and_cold_ranks_score_the_same_to_the_last_bit(tmp_path):
-    # warm: the rank is a process of the pool, claimed by torchrun's worker; cold: torchrun's child
+    # warm: one rank is the single-rank agent's child (started at once with torchrun's worker
+    # environment); cold: the reference launch, torchrun's child
     bundle = write_bundle(tmp_path / "b", ARCH_LINEAR, PARENT_LOOP)
     # the loop reads its parent's /proc entry, which the audit hook refuses: the launcher alone is tested
     warm = run(tmp_path / "w", bundle, token_budget=3000, seq_len=64, audit_hooks=False)
     cold = run(tmp_path / "c", bundle, token_budget=3000, seq_len=64, warm_ranks=False, audit_hooks=False)
     assert warm.failure is None and cold.failure is None, (warm.failure, cold.failure)
     parent = lambda o: (Path(o.run_dir) / "artifacts" / "parent.txt").read_bytes().split(b"\0")  # noqa: E731
-    assert parent(warm)[1:3] == [b"-m", b"prism_challenge.evaluator.warm"]  # the pool
+    assert parent(warm)[1:3] == [b"-m", b"prism_challenge.evaluator.single"]  # the single-rank agent
     assert parent(cold)[1:3] == [b"-m", b"prism_challenge.evaluator.agent"]  # torchrun's agent (torch.distributed.run)
     assert (warm.manifest["compute"]["warm_ranks"], cold.manifest["compute"]["warm_ranks"]) == (True, False)
+    assert (warm.manifest["compute"]["launcher"], cold.manifest["compute"]["launcher"]) == ("single", "torchrun")
     assert warm.manifest["score"]["prequential_bpb"] == cold.manifest["score"]["prequential_bpb"]
     assert warm.manifest["curve"] == cold.manifest["curve"]
     assert warm.manifest["model"]["state_sha256"] == cold.manifest["model"]["state_sha256"]
     assert warm.manifest["curve"]["nats_per_target"][-1] < warm.manifest["curve"]["nats_per_target"][0]  # it trained
+
+
+# the default SGD loop inside a gloo process group of its own: init, an all-reduce of every
+# gradient (the identity at world size 1), a barrier, destroy
+GROUP_LOOP = LOOP.format(lr=0.5, batch=2, seq_len=32).replace(
+    "    model = ctx.build_model().to(ctx.device)",
+    "    import torch.distributed as dist\n"
+    "    dist.init_process_group('gloo')\n"
+    "    assert (dist.get_rank(), dist.get_world_size()) == (0, 1)\n"
+    "    model = ctx.build_model().to(ctx.device)", 1).replace(
+    "        opt.step()",
+    "        for p in model.parameters():\n"
+    "            dist.all_reduce(p.grad)\n"
+    "        opt.step()\n"
+    "    dist.barrier()\n"
+    "    dist.destroy_process_group()", 1)
+
+
+def test_a_process_group_at_world_size_one_runs_under_the_single_rank_agent(tmp_path):
+    # no agent's store: the rank hosts its own at MASTER_PORT, inside the sandbox's loopback
+    plain = run(tmp_path / "p", write_bundle(tmp_path / "pb", ARCH_LINEAR, LOOP.format(lr=0.5, batch=2, seq_len=32)),
+                token_budget=3000, seq_len=64, isolation="strict")
+    group = run(tmp_path / "g", write_bundle(tmp_path / "gb", ARCH_LINEAR, GROUP_LOOP), token_budget=3000, seq_len=64,
+                isolation="strict")
+    assert plain.failure is None and group.failure is None, (plain.failure, group.failure)
+    assert group.manifest["compute"]["launcher"] == "single"
+    assert group.manifest["score"]["prequential_bpb"] == plain.manifest["score"]["prequential_bpb"]
+    assert group.manifest["curve"] == plain.manifest["curve"]
+    assert group.manifest["model"]["state_sha256"] == plain.manifest["model"]["state_sha256"]
 
 
 def _processes_with(needle: bytes) -> list[int]:

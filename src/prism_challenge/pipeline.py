@@ -43,7 +43,7 @@ from prism_challenge.evaluator.interface import context_values
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
 from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
 from prism_challenge.evaluator.jail import Jail, diagnose
-from prism_challenge.evaluator.launcher import LaunchError, check_layout, launch
+from prism_challenge.evaluator.launcher import LaunchError, agent_of, check_layout, launch
 from prism_challenge.control import CANCELLED_MESSAGE, RunControl
 from prism_challenge.events import BatchScored
 from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, EvalFailure  # noqa: F401
@@ -688,7 +688,7 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     if killed_by == "cancelled":
         return EvalFailure("cancelled", CANCELLED_MESSAGE)
     if outside_signal is not None:
-        return EvalFailure("runner", f"torchrun ended on signal {outside_signal} that the harness did not send: "
+        return EvalFailure("runner", f"{_agent_name(opts)} ended on signal {outside_signal} that the harness did not send: "
                                      "the run was killed from outside", _log_tail(log_path), cause=KILLED)
     refusal = find_refusal(_log_tail(log_path, 10_000)) if proc.poll() not in (0, None) or result.error else None
     if refusal is not None:
@@ -711,7 +711,7 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
         return EvalFailure(
             "runner",
             f"the run ended without a report from rank(s) "
-            f"{sorted(set(range(opts.nproc)) - set(result.done))} (torchrun exit code {proc.proc.returncode})",
+            f"{sorted(set(range(opts.nproc)) - set(result.done))} ({_agent_name(opts)} exit code {proc.proc.returncode})",
             _log_tail(log_path),
         )
     counts = [d.get("parameter_count") for d in result.done.values()]
@@ -727,13 +727,19 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     return None
 
 
+def _agent_name(opts: EvalOptions) -> str:
+    """The launcher's agent in messages: ``torchrun`` or ``the single-rank agent``."""
+    return "torchrun" if agent_of(opts.nproc, opts.warm_ranks) == "torchrun" else "the single-rank agent"
+
+
 EXTERNAL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def _signal_of(returncode: int | None) -> int | None:
-    """The signal that ended torchrun's launcher process (``-N`` from Python, ``128 + N`` from a
+    """The signal that ended the launcher's process (``-N`` from Python, ``128 + N`` from a
     sandbox's init or a shell that reports its child's signal), or ``None``. The ranks cannot
-    signal it (the audit hook refuses ``os.kill``), and a rank that dies makes torchrun exit 1."""
+    signal it (the audit hook refuses ``os.kill``), and a rank that dies makes torchrun, or the
+    single-rank agent, exit 1."""
     if returncode is None:
         return None
     sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
@@ -874,6 +880,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
             "nproc_per_node": opts.nproc,
             "nnodes": 1,
             "warm_ranks": opts.warm_ranks,  # rank processes started while the gates ran (evaluator/warm.py)
+            "launcher": agent_of(opts.nproc, opts.warm_ranks),  # torchrun, or the single-rank agent
             "device_name": done.get(0, {}).get("device_name"),
             "peak_rss_bytes": {str(r): d.get("peak_rss_bytes") for r, d in sorted(done.items())},
             "peak_device_bytes": {str(r): d.get("peak_device_bytes") for r, d in sorted(done.items()) if "peak_device_bytes" in d},

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from prism_challenge.evaluator.single import FAILED as SINGLE_AGENT_FAILED
+
 
 def print_failure(console: Console, failure, run_dir: Path | None = None) -> None:
     """One clear line naming the stage and reason, then any detail (traceback tail, findings)."""
@@ -33,8 +35,9 @@ C10D_HOSTNAME_WARNING = "[c10d] The hostname of the client socket cannot be retr
 def strip_launcher_dump(text: str) -> str:
     """``text`` without torchrun's own failure report (its ``failed (exitcode ...)`` line, its
     ``ChildFailedError`` traceback and the ``Failures: ... Root Cause ... error_file`` block
-    between two ``====`` rules: they stay in the run's log) and without c10d's hostname warning
-    (the sandbox has no resolvable hostname)."""
+    between two ``====`` rules: they stay in the run's log), without the single-rank agent's
+    one line of the same kind (:data:`~prism_challenge.evaluator.single.FAILED`) and without
+    c10d's hostname warning (the sandbox has no resolvable hostname)."""
     lines = text.splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -47,7 +50,7 @@ def strip_launcher_dump(text: str) -> str:
                 bars += lines[i].startswith("====")
                 i += 1
             continue
-        if C10D_HOSTNAME_WARNING not in line:
+        if C10D_HOSTNAME_WARNING not in line and not line.startswith(SINGLE_AGENT_FAILED):
             out.append(line)
         i += 1
     return "\n".join(out).strip()

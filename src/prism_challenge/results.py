@@ -162,7 +162,10 @@ class Budgets(_Model):
 
 
 class Compute(_Model):
-    """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...)."""
+    """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...); ``launcher``:
+    the agent that started the ranks (``"single"``: one rank under
+    :mod:`~prism_challenge.evaluator.single`; ``"torchrun"``, also every manifest written before
+    that agent existed)."""
 
     torch_version: str
     python: str
@@ -172,6 +175,7 @@ class Compute(_Model):
     nproc_per_node: Annotated[int, Field(ge=1)]
     nnodes: Literal[1]
     warm_ranks: bool
+    launcher: Literal["single", "torchrun"] = "torchrun"
     device_name: str | None
     peak_rss_bytes: dict[str, Count | None]
     peak_device_bytes: dict[str, Count | None]

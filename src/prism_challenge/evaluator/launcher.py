@@ -1,12 +1,16 @@
-"""The launcher: starts the runner under the real ``torchrun`` on one node.
+"""The launcher: starts the runner's ranks on one node, under the real ``torchrun`` or, for one
+rank, under the single-rank agent.
 
 ``torchrun --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1 --nnodes=1
 --nproc-per-node=N -m prism_challenge.evaluator.rank``
 runs as a child process in its own process group (so the whole tree can be stopped), with
 stdout and stderr going to the run's log file. By default it runs under the pool of warm ranks
-(:mod:`~prism_challenge.evaluator.warm`), which starts the N rank processes alongside it. The environment (:func:`compute_env`) fixes the
-thread count, cuBLAS's deterministic workspace and huge-page allocation before anything in the
-child starts.
+(:mod:`~prism_challenge.evaluator.warm`), which starts the N rank processes alongside it. One
+rank with warm ranks on (every ``--nproc 1`` run by default) runs under
+:mod:`~prism_challenge.evaluator.single` instead: the rank started at once with torchrun's
+worker environment, torchrun's exit status, no interpreter that imports torch beside it
+(:func:`agent_of`). The environment (:func:`compute_env`) fixes the thread count, cuBLAS's
+deterministic workspace and huge-page allocation before anything in the child starts.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ MALLOC_TRIM_THRESHOLD = 1 << 40  # never give freed heap memory back (see comput
 RUNNER_MODULE = "prism_challenge.evaluator.rank"  # ties the rank to the agent, then runs the runner
 AGENT_MODULE = "prism_challenge.evaluator.agent"  # torch.distributed.run's main, ended without teardown
 WARM_POOL_MODULE = "prism_challenge.evaluator.warm"  # warm ranks claimed by torchrun's workers
+SINGLE_MODULE = "prism_challenge.evaluator.single"  # one rank, torchrun's part played by the standard library
 
 
 class LaunchError(ValueError):
@@ -87,6 +92,21 @@ def warm_pool_command(nproc: int) -> list[str]:
     return [sys.executable, "-m", WARM_POOL_MODULE, str(nproc), "--"]
 
 
+def agent_of(nproc: int, warm: bool) -> str:
+    """Which agent starts the ranks: ``"single"`` (:mod:`~prism_challenge.evaluator.single`) for
+    one rank with warm ranks on, ``"torchrun"`` otherwise (several ranks, or ``warm=False``: the
+    reference launch, every rank cold after torchrun's agent)."""
+    check_layout(nproc)
+    return "single" if nproc == 1 and warm else "torchrun"
+
+
+def launch_command(nproc: int, warm: bool = True) -> list[str]:
+    """The argv :func:`launch` starts in the jail for ``nproc`` ranks (:func:`agent_of`)."""
+    if agent_of(nproc, warm) == "single":
+        return [sys.executable, "-m", SINGLE_MODULE]
+    return (warm_pool_command(nproc) if warm else []) + torchrun_command(nproc)
+
+
 def compute_env(threads: int) -> dict[str, str]:
     """The variables every process that runs the submission's model gets (ranks, held-out child).
 
@@ -128,12 +148,12 @@ class Launched:
     log_path: Path
 
     def poll(self) -> int | None:
-        """Exit code of torchrun, or ``None`` while it runs."""
+        """Exit code of the launcher (torchrun, or the single-rank agent), or ``None`` while it runs."""
         return self.proc.poll()
 
     def kill(self) -> None:
         """Kill the launched process group (the sandbox when there is one, the pool of warm ranks,
-        torchrun's agent).
+        torchrun's agent, or the single-rank agent and its rank).
 
         torchrun puts each of its workers in a session of its own; they die with the agent, and
         the warm ranks and torchrun with the pool, because each asks for ``PR_SET_PDEATHSIG``
@@ -156,7 +176,8 @@ def launch(
     socket_dir: Path | None = None,
     warm: bool = True,
 ) -> Launched:
-    """Start torchrun with the runner module, in ``jail`` (:mod:`~prism_challenge.evaluator.jail`).
+    """Start the ranks (:func:`launch_command`: torchrun, or the single-rank agent) in ``jail``
+    (:mod:`~prism_challenge.evaluator.jail`).
 
     Args:
         nproc: ranks on this node (1..8).
@@ -166,13 +187,14 @@ def launch(
         cwd: working directory of the children (the run's artifacts directory, the one
             writable directory).
         socket_dir: the feeder socket's directory (bound read-only).
-        warm: start torchrun under the pool of warm ranks (:func:`warm_pool_command`); with
+        warm: start each rank at once, while the gates run: one rank under the single-rank
+            agent, several under the pool of warm ranks (:func:`warm_pool_command`); with
             ``False`` every rank starts cold, after torchrun's agent.
 
     Raises:
         LaunchError: the layout is refused.
     """
-    cmd = (warm_pool_command(nproc) if warm else []) + torchrun_command(nproc)
+    cmd = launch_command(nproc, warm)
     env = {**env_extra, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(log_path.with_suffix(".error.json"))}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")

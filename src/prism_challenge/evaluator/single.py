@@ -1,0 +1,102 @@
+"""The agent of a one-rank run: ``python -m prism_challenge.evaluator.single``.
+
+At ``--nproc 1`` torchrun's agent does three things for the run: it gives the rank torchrun's
+environment (``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_*``), it waits for the rank, and it turns
+the rank's end into its own exit status (0, or 1 with a failure report). For that it starts an
+interpreter that imports torch and runs a c10d rendezvous: about 1.2 s of CPU per run on the
+shared 2-core VM (process accounting of one service evaluation), a tenth of a one-batch run's,
+and with the pool of warm ranks and the worker's stub, three processes beside the rank.
+
+This module does the same three things with the standard library alone, in place of the pool
+and torchrun:
+
+1. it starts the rank (``python -m prism_challenge.evaluator.rank``, torchrun's entry point) at
+   once, with the environment torchrun's local agent gives its one worker (:func:`worker_env`:
+   the names and values of ``torch.distributed.elastic.agent.server.local_elastic_agent``),
+   except ``TORCHELASTIC_USE_AGENT_STORE=False``: there is no agent's store, so a loop that calls
+   ``init_process_group`` at world size 1 hosts its own at ``MASTER_PORT``, a loopback port that
+   was free when the agent started. The rank imports torch and warms up while the gates run, as
+   a warm rank of the pool does (:func:`prism_challenge.evaluator.runner.run`);
+2. it forwards ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` to the rank;
+3. it exits 0 when the rank exited 0, else 1 after one line on stderr naming the rank's exit
+   code or signal (:data:`FAILED`), as torchrun exits 1 after its ``failed (exitcode: N)``
+   report. So the launcher's status means what torchrun's does: a rank that dies, on any
+   signal, cannot make the run look killed from outside (``pipeline._signal_of``).
+
+The rank is the same process with the same environment names, running the same runner and
+submission; only the processes around it differ, and the scores are bit for bit torchrun's
+(``tests/test_eval_e2e.py`` compares them). Like the pool, the agent dies with its parent
+(``PR_SET_PDEATHSIG``; in a strict sandbox its parent is the sandbox's init) and the rank with
+the agent (:mod:`~prism_challenge.evaluator.rank`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from prism_challenge.evaluator.childexit import exit_child
+from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR
+from prism_challenge.evaluator.warm import FORWARDED_SIGNALS, RANK_MODULE, die_with_parent
+
+RUN_ID = "prism"
+"""``TORCHELASTIC_RUN_ID``: torchrun's ``--rdzv-id`` as the launcher gives it."""
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""``TORCHELASTIC_SIGNALS_TO_HANDLE``: torchrun's ``--signals-to-handle`` default, which its agent
+puts in its own environment and so in its worker's."""
+FAILED = "prism single-rank agent: rank 0 failed"
+"""The start of the agent's one failure line (followed by ``(exitcode: N)`` or ``(signal: N)``)."""
+
+
+def free_port(host: str = RENDEZVOUS_ADDR) -> int:
+    """A TCP port on ``host`` that was free just now (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def worker_env(environ: dict[str, str], master_port: int) -> dict[str, str]:
+    """``environ`` plus what torchrun's local agent sets for its only worker at world size 1
+    (``LocalElasticAgent._start_workers``, torch 2.13, and the agent's own
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``), with no agent's store."""
+    return {
+        **environ,
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
+        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+        "MASTER_ADDR": RENDEZVOUS_ADDR, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": RUN_ID,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE,  # torchrun's agent sets its own default, inherited
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m prism_challenge.evaluator.single [-- RANK_ARGV...]``: run the one rank (see the
+    module docstring; ``RANK_ARGV``, for tests, replaces the rank's command) and exit 0 or 1."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and (args[0] != "--" or len(args) < 2):
+        sys.stderr.write("usage: python -m prism_challenge.evaluator.single [-- RANK_ARGV...]\n")
+        sys.exit(2)
+    die_with_parent(orphan_check=False)  # in a strict sandbox the parent is its init, pid 1
+    command = args[1:] or [sys.executable, "-m", RANK_MODULE]
+    rank = subprocess.Popen(command, env=worker_env(dict(os.environ), free_port()), preexec_fn=die_with_parent)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            rank.send_signal(signum)
+        except OSError:
+            pass
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    code = rank.wait()
+    if code != 0:
+        sys.stderr.write(f"{FAILED} ({f'signal: {-code}' if code < 0 else f'exitcode: {code}'})\n")
+    exit_child(0 if code == 0 else 1)
+
+if __name__ == "__main__":
+    main()
