@@ -36,7 +36,7 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
 from prism_challenge.service.dispatch import start
 from prism_challenge.service.worker import NAMESPACE, Evaluation, Job, actor_name
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.fleet]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -29,6 +29,8 @@ from prism_challenge.service.store import Store
 from prism_challenge.service.unstored import WRITE_TRIES
 from prism_challenge.service.watch import unowned
 
+pytestmark = pytest.mark.fleet
+
 ray = pytest.importorskip("ray")
 
 SCORED = Path(__file__).parent / "data" / "scored_manifest.v2.json"  # from a real prism eval of bench/bundles/trivial

@@ -27,6 +27,8 @@ from prism_challenge.service.store import Store, TransitionError
 from prism_challenge.service.watch import STALE_AFTER_S, fleet_status, oldest_unowned_age_s, unowned
 from prism_challenge.service.worker import failure_result
 
+pytestmark = pytest.mark.fleet
+
 SCORED = Path(__file__).parent / "data" / "scored_manifest.v2.json"  # from a real prism eval of bench/bundles/trivial
 HOTKEY = "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY"
 SHA = "ab" * 32

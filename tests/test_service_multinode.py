@@ -21,7 +21,7 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
 
 from prism_challenge.service.worker import NAMESPACE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.fleet]
 
 
 def test_the_embedded_ray_is_started_and_shut_down_by_the_dispatcher(world, service):
