@@ -6,6 +6,7 @@ worker at ``--nproc-per-node=1``."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,14 +24,16 @@ FAKE_RANK = ("import json, os, signal, sys, time\n"
              "kind, _, value = os.environ['ACTION'].partition(':')\n"
              "if kind == 'exit': os._exit(int(value))\n"
              "if kind == 'signal': os.kill(os.getpid(), int(value))\n"
-             "signal.signal(signal.SIGTERM, lambda *a: os._exit(143 - 128 + 100))\n"  # exit 115 on SIGTERM
+             "if kind == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             "else: signal.signal(signal.SIGTERM, lambda *a: os._exit(115))\n"
              "time.sleep(120)\n")
+# the agent with a stop grace of GRACE seconds (30 in the module)
+AGENT = "import sys; import prism_challenge.evaluator.single as s; s.STOP_GRACE_S = float(sys.argv[1]); s.main(sys.argv[2:])"
 
 
-def _agent(tmp_path, action: str) -> tuple[subprocess.Popen, str]:
+def _agent(tmp_path, action: str, grace: float = 30.0) -> tuple[subprocess.Popen, str]:
     out = str(tmp_path / "rank.json")
-    proc = subprocess.Popen([sys.executable, "-m", "prism_challenge.evaluator.single", "--",
-                             sys.executable, "-c", FAKE_RANK],
+    proc = subprocess.Popen([sys.executable, "-c", AGENT, str(grace), "--", sys.executable, "-c", FAKE_RANK],
                             env={**os.environ, "OUT": out, "ACTION": action}, stderr=subprocess.PIPE, text=True)
     return proc, out
 
@@ -62,6 +65,46 @@ def test_a_stop_is_forwarded_to_the_rank(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err.strip()) == (1, f"{single.FAILED} (exitcode: 115)")  # the rank's own handler ran
+
+
+def test_an_outside_sigquit_ends_the_agent_with_1_as_torchrun(tmp_path):
+    # torchrun's agent handles SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE) and exits 1: not a kill from outside
+    proc, out = _agent(tmp_path, "wait")
+    _rank(out)
+    proc.send_signal(signal.SIGQUIT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.strip()) == (1, f"{single.FAILED} (signal: {int(signal.SIGQUIT)})")
+
+
+def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace(tmp_path):
+    proc, out = _agent(tmp_path, "ignore", grace=1.0)
+    _rank(out)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.strip()) == (1, f"{single.FAILED} (signal: 9)")
+    assert 1.0 <= time.monotonic() - t0 < 30.0  # the test's grace, not the module's
+
+
+def test_the_rank_can_host_its_store_on_the_port_the_agent_holds():
+    held = single.reserve_port()
+    port = held.getsockname()[1]
+    try:
+        with socket.socket() as other, pytest.raises(OSError):  # one that binds without SO_REUSEADDR is refused
+            other.bind((single.RENDEZVOUS_ADDR, port))
+        store = torch_store(port)  # c10d's TCPStore (SO_REUSEADDR) binds and listens there
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        held.close()
+
+
+def torch_store(port: int):
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(single.RENDEZVOUS_ADDR, port, 1, True, timeout=datetime.timedelta(seconds=30))
 
 
 def test_the_rank_dies_with_the_agent(tmp_path):

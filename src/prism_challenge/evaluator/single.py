@@ -15,9 +15,10 @@ and torchrun:
    the names and values of ``torch.distributed.elastic.agent.server.local_elastic_agent``),
    except ``TORCHELASTIC_USE_AGENT_STORE=False``: there is no agent's store, so a loop that calls
    ``init_process_group`` at world size 1 hosts its own at ``MASTER_PORT``, a loopback port that
-   was free when the agent started. The rank imports torch and warms up while the gates run, as
+   the agent holds while the rank runs (:func:`reserve_port`). The rank imports torch and warms up while the gates run, as
    a warm rank of the pool does (:func:`prism_challenge.evaluator.runner.run`);
-2. it forwards ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` to the rank;
+2. it forwards a stop (``SIGTERM``, ``SIGINT``, ``SIGHUP``, ``SIGQUIT``, ``SIGUSR1/2``) to the
+   rank and SIGKILLs it 30 s later, as torchrun's agent closes its workers;
 3. it exits 0 when the rank exited 0, else 1 after one line on stderr naming the rank's exit
    code or signal (:data:`FAILED`), as torchrun exits 1 after its ``failed (exitcode: N)``
    report. So the launcher's status means what torchrun's does: a rank that dies, on any
@@ -37,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from prism_challenge.evaluator.childexit import exit_child
 from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR
@@ -47,15 +49,28 @@ RUN_ID = "prism"
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """``TORCHELASTIC_SIGNALS_TO_HANDLE``: torchrun's ``--signals-to-handle`` default, which its agent
 puts in its own environment and so in its worker's."""
+STOP_SIGNALS = (*FORWARDED_SIGNALS, signal.SIGQUIT)
+"""Forwarded to the rank: the pool's set and ``SIGQUIT``, every signal torchrun's agent handles
+(:data:`SIGNALS_TO_HANDLE`) and stops its workers on, so an outside stop ends the agent with 1."""
+STOP_GRACE_S = 30.0
+"""After the first forwarded stop the rank is SIGKILLed this long later (torchrun's agent
+closes its workers the same way: the signal, then SIGKILL after 30 s)."""
 FAILED = "prism single-rank agent: rank 0 failed"
 """The start of the agent's one failure line (followed by ``(exitcode: N)`` or ``(signal: N)``)."""
 
 
-def free_port(host: str = RENDEZVOUS_ADDR) -> int:
-    """A TCP port on ``host`` that was free just now (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def reserve_port(host: str = RENDEZVOUS_ADDR) -> socket.socket:
+    """A TCP socket bound to a free port on ``host`` with ``SO_REUSEADDR``, never listening.
+
+    The agent holds it while the rank runs, as torchrun's agent holds its store's port: a
+    process that binds without ``SO_REUSEADDR`` is refused the port, while the rank's own c10d
+    store (which sets it) binds and listens there. In a strict sandbox the port is in the run's
+    own network namespace anyway; this matters for ``--isolation none`` on a shared host.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
 
 
 def worker_env(environ: dict[str, str], master_port: int) -> dict[str, str]:
@@ -83,20 +98,29 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     die_with_parent(orphan_check=False)  # in a strict sandbox the parent is its init, pid 1
     command = args[1:] or [sys.executable, "-m", RANK_MODULE]
-    rank = subprocess.Popen(command, env=worker_env(dict(os.environ), free_port()), preexec_fn=die_with_parent)
+    port = reserve_port()
+    rank = subprocess.Popen(command, env=worker_env(dict(os.environ), port.getsockname()[1]),
+                            preexec_fn=die_with_parent)
+    deadline: list[threading.Timer] = []
 
     def forward(signum: int, _frame: object) -> None:
+        if not deadline:  # the first stop: SIGKILL after the grace, whatever the rank does with it
+            deadline.append(threading.Timer(STOP_GRACE_S, rank.kill))
+            deadline[0].daemon = True
+            deadline[0].start()
         try:
             rank.send_signal(signum)
         except OSError:
             pass
 
-    for sig in FORWARDED_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = rank.wait()
+    port.close()
     if code != 0:
         sys.stderr.write(f"{FAILED} ({f'signal: {-code}' if code < 0 else f'exitcode: {code}'})\n")
     exit_child(0 if code == 0 else 1)
+
 
 if __name__ == "__main__":
     main()
