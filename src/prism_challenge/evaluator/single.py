@@ -14,11 +14,13 @@ and torchrun:
    once, with the environment torchrun's local agent gives its one worker (:func:`worker_env`:
    the names and values of ``torch.distributed.elastic.agent.server.local_elastic_agent``),
    except ``TORCHELASTIC_USE_AGENT_STORE=False``: there is no agent's store, so a loop that calls
-   ``init_process_group`` at world size 1 hosts its own at ``MASTER_PORT``, a loopback port that
-   the agent holds while the rank runs (:func:`reserve_port`). The rank imports torch and warms up while the gates run, as
-   a warm rank of the pool does (:func:`prism_challenge.evaluator.runner.run`);
-2. it forwards a stop (``SIGTERM``, ``SIGINT``, ``SIGHUP``, ``SIGQUIT``, ``SIGUSR1/2``) to the
-   rank and SIGKILLs it 30 s later, as torchrun's agent closes its workers;
+   ``init_process_group`` at world size 1 hosts its own at ``MASTER_PORT``, a loopback port
+   that the agent holds while the rank runs (:func:`reserve_port`). The rank imports torch and
+   warms up while the gates run, as a warm rank of the pool does
+   (:func:`prism_challenge.evaluator.runner.run`);
+2. it forwards ``SIGUSR1``, ``SIGUSR2`` and a stop (``SIGTERM``, ``SIGINT``, ``SIGHUP``,
+   ``SIGQUIT``) to the rank, and SIGKILLs it 30 s after the first stop, as torchrun's agent
+   closes its workers;
 3. it exits 0 when the rank exited 0, else 1 after one line on stderr naming the rank's exit
    code or signal (:data:`FAILED`), as torchrun exits 1 after its ``failed (exitcode: N)``
    report. So the launcher's status means what torchrun's does: a rank that dies, on any
@@ -49,9 +51,10 @@ RUN_ID = "prism"
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """``TORCHELASTIC_SIGNALS_TO_HANDLE``: torchrun's ``--signals-to-handle`` default, which its agent
 puts in its own environment and so in its worker's."""
-STOP_SIGNALS = (*FORWARDED_SIGNALS, signal.SIGQUIT)
-"""Forwarded to the rank: the pool's set and ``SIGQUIT``, every signal torchrun's agent handles
-(:data:`SIGNALS_TO_HANDLE`) and stops its workers on, so an outside stop ends the agent with 1."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""The stops: every signal torchrun's agent handles (:data:`SIGNALS_TO_HANDLE`) and closes its
+workers on. Forwarded to the rank with the rest of the pool's set (``SIGUSR1``, ``SIGUSR2``),
+so an outside stop ends the agent with 1, as torchrun's."""
 STOP_GRACE_S = 30.0
 """After the first forwarded stop the rank is SIGKILLed this long later (torchrun's agent
 closes its workers the same way: the signal, then SIGKILL after 30 s)."""
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     deadline: list[threading.Timer] = []
 
     def forward(signum: int, _frame: object) -> None:
-        if not deadline:  # the first stop: SIGKILL after the grace, whatever the rank does with it
+        if signum in STOP_SIGNALS and not deadline:  # the first stop: SIGKILL after the grace
             deadline.append(threading.Timer(STOP_GRACE_S, rank.kill))
             deadline[0].daemon = True
             deadline[0].start()
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             pass
 
-    for sig in STOP_SIGNALS:
+    for sig in {*FORWARDED_SIGNALS, *STOP_SIGNALS}:
         signal.signal(sig, forward)
     code = rank.wait()
     port.close()
