@@ -103,7 +103,7 @@ def test_a_compiled_module_gets_heldout_figures(tmp_path):
     text = buf.getvalue()
     assert len(str(o.run_dir / MANIFEST_NAME)) > 60
     assert f"run manifest: {o.run_dir / MANIFEST_NAME}\n" in text
-    assert f"loop output (print) and torchrun's log: {o.run_dir / 'logs' / 'runner.log'}\n" in text
+    assert f"loop output (print) and the launcher's log: {o.run_dir / 'logs' / 'runner.log'}\n" in text
     assert "score: final_score, higher is better; ranked by prequential_bpb, lower is better" in text
     assert f"final_score (higher is better)    │ {v['final_score']:.6f}" in text
 
