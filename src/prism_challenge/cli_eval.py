@@ -88,7 +88,7 @@ def add_eval_parser(sub: Any) -> None:
         "eval",
         help="re-execute a bundle from a forced random init and score it by prequential bits-per-byte",
         description="Run the static gates, then re-execute the bundle's training loop under torchrun "
-        "on the locked train stream and write prism_run_manifest.v2.json in the run directory. "
+        "(one rank: under the single-rank agent) on the locked train stream and write prism_run_manifest.v2.json in the run directory. "
         "Settings start from a challenge profile; an option given here overrides it (recorded in the "
         "manifest). The score is final_score (higher is better); runs rank by prequential_bpb (lower "
         "is better) as prism compare shows.",

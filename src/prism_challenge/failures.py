@@ -34,7 +34,7 @@ non-empty ``--out``, ``--device cuda`` without CUDA); ``prism eval`` exits 2 for
 other failure."""
 ANY_CAUSE = ""
 REPORTED = "reported"  # the runner, inside a rank, reported the failure (any stage it names)
-KILLED = "killed"  # torchrun ended on a signal the harness did not send
+KILLED = "killed"  # the launcher (torchrun, or the single-rank agent) ended on a signal the harness did not send
 TOKENIZER = "tokenizer"  # prism.yaml names a tokenizer the profile does not allow
 ANY_STAGE = "*"
 
@@ -78,7 +78,8 @@ FAILURE_KINDS: tuple[StageKind, ...] = (
     StageKind("runner", ANY_CAUSE, SUBMISSION,
               "a rank ended, or broke the protocol, without a report: the submission's process died"),
     StageKind("runner", KILLED, INFRASTRUCTURE,
-              "torchrun ended on a signal the harness did not send: the run was killed from outside"),
+              "the launcher (torchrun, or the single-rank agent) ended on a signal the harness did not send: "
+              "the run was killed from outside"),
     StageKind("scoring", ANY_CAUSE, SUBMISSION, "the records cannot be scored: no bytes covered, a non-finite total"),
     StageKind("storage", ANY_CAUSE, INFRASTRUCTURE,
               "the harness could not write the run directory or the scored state: disk full, quota, permissions"),

@@ -191,8 +191,9 @@ class EvalOptions:
     (:mod:`~prism_challenge.evaluator.auditplan`; ``heldout_timeout`` bounds the audit's
     children too); 0 turns the audit off (benchmarks only: an unaudited run takes the
     submission's word for its records).
-    ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run,
-    for torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
+    ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run:
+    one rank under the single-rank agent (:mod:`~prism_challenge.evaluator.single`), several for
+    torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
     ``profile``: the challenge profile the settings came from (:mod:`~prism_challenge.profiles`;
     its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set

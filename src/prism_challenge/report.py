@@ -23,7 +23,7 @@ def print_failure(console: Console, failure, run_dir: Path | None = None) -> Non
     if detail:
         console.print(detail, markup=False, highlight=False, soft_wrap=True)
     if run_dir is not None:
-        console.print(f"runner log (the loop's output, the launcher's): {run_dir / 'logs' / 'runner.log'}",
+        console.print(f"loop output (print) and the launcher's log: {run_dir / 'logs' / 'runner.log'}",
                       markup=False, highlight=False, soft_wrap=True)
         console.print(f"run manifest: {run_dir / 'prism_run_manifest.v2.json'}", markup=False,
                       highlight=False, soft_wrap=True)
