@@ -6,10 +6,10 @@ with exactly one run, written by its last attempt; every earlier attempt a retry
 nothing left non-final; the watchdog empty at every poll; each stored score the manifest's, each
 manifest of the bundle that was sent, and each score what ``evaluate()`` gives run directly.
 
-``N`` is ``PRISM_LOAD_SUBMISSIONS``, by default the issue's 50 on each database: on the shared
-2-core VM, quiet, 50 took 332 s on SQLite and 336 s on PostgreSQL (6.6-6.7 s a submission, two
-evaluations at a time), and the whole fleet suite (``pytest -m fleet``) 16 min; a smaller ``N``
-(``PRISM_LOAD_SUBMISSIONS=6``) is for a quick look."""
+``N`` is ``PRISM_LOAD_SUBMISSIONS``, by default the issue's 50 on each database, in CI too: about
+4.7 min per database on 2 cores, two evaluations at a time (the README's *The fleet suite's
+time* gives the measured figures); a smaller ``N`` (``PRISM_LOAD_SUBMISSIONS=6``) is for a quick
+look."""
 
 from __future__ import annotations
 
