@@ -18,7 +18,10 @@ from prism_challenge.evaluator import launcher, single
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux")
 
 # a stand-in rank: writes its environment and pid to OUT, then does what ACTION says
-FAKE_RANK = ("import json, os, signal, sys, time\n"
+# (SIGQUIT at its default action, which a shell's background job inherits as ignored, and no core file)
+FAKE_RANK = ("import json, os, resource, signal, sys, time\n"
+             "signal.signal(signal.SIGQUIT, signal.SIG_DFL)\n"
+             "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
              "json.dump({'env': dict(os.environ), 'pid': os.getpid()}, open(os.environ['OUT'] + '.tmp', 'w'))\n"
              "os.rename(os.environ['OUT'] + '.tmp', os.environ['OUT'])\n"
              "kind, _, value = os.environ['ACTION'].partition(':')\n"
