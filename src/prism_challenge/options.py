@@ -199,6 +199,14 @@ class EvalOptions:
     its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set
     otherwise; both are recorded in the manifest's ``profile``.
 
+    ``run_secret``: the run's 32-byte secret, which keys every draw the submission must not
+    predict (the audit schedule, the causality probes, the blind probes); ``None`` (always, in
+    the service) draws a fresh one from :mod:`secrets` after intake. It never enters the
+    sandbox and is revealed in the manifest (``run_secret``) once the run has ended; pass a
+    revealed one back only to repeat that run exactly (``prism verify --reexecute``).
+    ``signing_key_file``: the ed25519 private key (PEM, mode 0600) that signs the manifest
+    (:mod:`~prism_challenge.certificate`); ``None``: the user's own key, created on first use.
+
     Test-only switches (never exposed on the command line): ``run_gates=False`` skips every gate,
     ``static_gates=False`` only the static ones (the parameter child still runs, in the jail),
     ``audit_hooks=False`` leaves the children's audit hooks unarmed; they exist to show that each
@@ -241,6 +249,8 @@ class EvalOptions:
     warm_ranks: bool = True
     profile: Profile | None = None
     profile_overridden: list[str] = field(default_factory=list)
+    run_secret: bytes | None = None
+    signing_key_file: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -262,6 +272,9 @@ class EvalOptions:
             raise OptionsError("policy", self.policy, "must be a prism_challenge.verdict.Policy")
         if self.profile is not None and not isinstance(self.profile, Profile):
             raise OptionsError("profile", self.profile, "must be a prism_challenge.profiles.Profile or None")
+        if self.run_secret is not None and not (isinstance(self.run_secret, bytes) and len(self.run_secret) == 32):
+            raise OptionsError("run_secret", self.run_secret, "must be 32 bytes or None (None: drawn from secrets per run)")
+        self.signing_key_file = _path("signing_key_file", self.signing_key_file, nullable=True)
         if not isinstance(self.profile_overridden, list) or not all(isinstance(x, str) for x in self.profile_overridden):
             raise OptionsError("profile_overridden", self.profile_overridden, "must be a list of field names")
         return self

@@ -70,6 +70,30 @@ def audit_draw(key: bytes, step: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+def rate_at(step: int, audited: int = AUDITED_BATCHES) -> float:
+    """The chance that batch ``step`` is audited under the harmonic schedule: 1 for ``step = 0``,
+    ``min(1, A / step)`` after it (``A = audited``; 0 when ``A = 0``). It depends on the step
+    alone, never on a budget, so the audits follow the run's real length: for any stop ``n`` and
+    any set ``S`` of ``f n`` batches among the first ``n``, ``P(no batch of S audited) <= (1 -
+    f)^A`` (the module docstring gives the proof)."""
+    if audited <= 0:
+        return 0.0
+    return 1.0 if step <= 0 else min(1.0, audited / step)
+
+
+def is_audited(key: bytes, step: int, audited: int = AUDITED_BATCHES) -> bool:
+    """Whether batch ``step`` is audited: :func:`audit_draw` below :func:`rate_at` (step 0
+    always, while ``A > 0``)."""
+    rate = rate_at(step, audited)
+    return rate >= 1.0 or (rate > 0.0 and audit_draw(key, step) < rate)
+
+
+def drawn_steps(key: bytes, batches: int, audited: int = AUDITED_BATCHES) -> list[int]:
+    """Every audited batch of a stream of ``batches`` batches, in order: what the feeder drew
+    with the run's secret ``key``, re-derived (``prism verify`` compares it with the manifest)."""
+    return [k for k in range(max(0, batches)) if is_audited(key, k, audited)]
+
+
 def audit_rate(expected: int | None, audited: int = AUDITED_BATCHES) -> float:
     """The share of batches after the first that are audited: ``min(1, (A - 1) / (N - 1))`` for
     ``N = expected`` batches; 1.0 when ``N`` is unknown (``None``) or at most 1."""
