@@ -1,5 +1,5 @@
 """The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``verify``, ``serve``,
-``submit``, ``status``, ``keygen``, ``fleet``."""
+``submit``, ``status``, ``keygen``, ``fleet``, ``findings``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.service.fleet_cli import add_fleet_parser
 
     add_fleet_parser(sub)
+    from prism_challenge.service.findings_cli import add_findings_parser
+
+    add_findings_parser(sub)
     return parser
 
 

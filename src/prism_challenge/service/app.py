@@ -4,7 +4,8 @@
 (the loaded challenge profile every submission is evaluated under), ``store`` (the database,
 migrated when the app is made), ``blobs`` (the bundles' bytes), ``rate_limiter``,
 ``intake_limiter`` (intakes at once, off the event loop), ``metrics``, ``plots`` (the pages'
-rendered curves) and ``dispatcher`` (the Ray dispatcher while it runs, else ``None``).
+rendered curves), ``dispatcher`` (the Ray dispatcher while it runs, else ``None``) and ``clock``
+(the current UTC time, ``models.utcnow``: when suspensions end; tests set their own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from prism_challenge.profiles import load_profile
 from prism_challenge.service import errors
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.metrics import ServiceMetrics, method_label
+from prism_challenge.service.models import utcnow
 from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings
@@ -119,6 +121,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.metrics = ServiceMetrics(store, profile.name)
     app.state.dispatcher = None
     app.state.plots = OrderedDict()  # routes/pages.py: rendered curve PNGs by run id
+    app.state.clock = utcnow  # service/findings.py: when a timed suspension ends
     app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
     errors.install(app)
     app.add_exception_handler(errors.ApiError, _counted)

@@ -1,4 +1,5 @@
-"""The service's tables (SQLAlchemy 2 declarative): submitters, submissions, attempts, runs, nonces.
+"""The service's tables (SQLAlchemy 2 declarative): submitters, submissions, attempts, runs, nonces,
+dispatchers, findings.
 
 Every change of a submission's state is recorded with a UTC timestamp: its creation
 (``submissions.created_at``, state ``pending``), every start of an evaluation (an ``attempts``
@@ -13,6 +14,11 @@ write a result, and a run is stored once per submission (``runs.submission_id`` 
 the transaction that moves the submission to its final state. ``attempts.heartbeat_at`` is
 refreshed by the dispatcher that tracks the attempt, ``dispatchers.heartbeat_at`` by each running
 dispatcher: a non-final submission whose owner's heartbeat is stale has no owner (the watchdog).
+
+Findings (migration 0004, issue 25): a run whose manifest proves a cheat
+(:mod:`prism_challenge.service.findings`) has one ``findings`` row against its hotkey, written in
+the transaction that stores the run (``findings.run_id`` and ``findings.attempt_id`` are unique);
+an operator's lift marks it (``lifted_at``, ``lifted_by``, ``lift_reason``), never deletes it.
 """
 
 from __future__ import annotations
@@ -206,3 +212,37 @@ class Nonce(Base):
     nonce: Mapped[str] = mapped_column(String(128), nullable=False)
     timestamp: Mapped[int] = mapped_column(Integer, nullable=False)  # the request's X-Timestamp (Unix s)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
+
+
+class Finding(Base):
+    """A run the audit caught (:func:`prism_challenge.service.findings.finding_of`): the proof
+    against ``hotkey``, and its lift. One per run (and so per attempt and per submission).
+
+    ``step``: the audited batch (the stream's step; for ``heldout_blind_probe``, the held-out
+    batch); ``rank``, ``row``: where in it, when the manifest says. ``recorded_nats`` and
+    ``rescored_nats`` (nats): ``rescore``: the batch's recorded nats and those its re-scoring
+    gave; ``blind_probe`` and ``heldout_blind_probe``: the probed token's nats with the whole row
+    shown and with only its past shown (the probe's two figures); ``None`` where the manifest
+    gives none (``heldout_causality``: its message names the shift).
+    """
+
+    __tablename__ = "findings"
+    __table_args__ = (UniqueConstraint("run_id", name="uq_findings_run_id"),
+                      UniqueConstraint("attempt_id", name="uq_findings_attempt_id"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hotkey: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id", name="fk_findings_submission_id"),
+                                               nullable=False, index=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", name="fk_findings_attempt_id"), nullable=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", name="fk_findings_run_id"), nullable=False)
+    kind: Mapped[str] = mapped_column(String(32), nullable=False)
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    row: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    recorded_nats: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rescored_nats: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    lifted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    lifted_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lift_reason: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -67,6 +67,10 @@ class ServiceSettings(BaseSettings):
     weights_rule: Literal["family-split", "winner-takes-all"] = "family-split"
     family_share: float = Field(0.6, ge=0, le=1, description="family-split: the family owner's share; the best "
                                 "training variant on it gets 1 - family_share")
+    suspension_s: float | None = Field(None, gt=0, description="how long a finding (a run the audit caught: "
+                                       "prism_challenge.service.findings) suspends its hotkey from the leaderboard, "
+                                       "the weights and submitting, seconds; None: until an operator lifts it "
+                                       "(prism findings lift)")
     public_architectures: list[Path] = Field([], description="architecture.py files whose families are public "
                                              "(nobody's variant, no author's share), besides prism init's template "
                                              "and the source tree's examples")

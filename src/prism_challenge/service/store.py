@@ -11,7 +11,9 @@ that also counts the attempt and gives it a fresh fencing token, so two workers 
 evaluate one submission at once. Only the current attempt writes a result (:meth:`Store.record`,
 by token: a superseded attempt's result is discarded and logged, the same result written twice
 changes nothing; :meth:`Store.finish`, by attempt id, refuses both), and the transaction that
-stores the submission's one run (``runs.submission_id`` is unique) makes it final; a retried
+stores the submission's one run (``runs.submission_id`` is unique) makes it final (and records
+the run's finding, if its manifest proves a cheat: :mod:`~prism_challenge.service.findings`,
+so one finding per run however often a result is written); a retried
 attempt stores its reason on its ``attempts`` row and no run. Outcomes (:func:`outcome_of`): scored -> ``completed``; a ``submission`` failure ->
 ``rejected`` (final); an ``infrastructure`` failure -> ``pending`` again while ``attempts <
 max_attempts``, else ``failed``; a cancel -> ``failed``.
@@ -32,7 +34,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
 from prism_challenge.results import EvalResult
-from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, storable, utcnow
+from prism_challenge.service.findings import finding_of
+from prism_challenge.service.models import (
+    Attempt,
+    Dispatcher,
+    Finding,
+    Nonce,
+    Run,
+    Submission,
+    Submitter,
+    storable,
+    utcnow,
+)
 
 log = logging.getLogger("prism_challenge.service")
 
@@ -392,13 +405,30 @@ def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, ba
     if status == "pending":
         sub.not_before = now + timedelta(seconds=max(0.0, backoff_s))
     else:
-        s.add(Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=storable(result.run_dir),
-                  prequential_bpb=result.prequential_bpb, final_score=result.final_score,
-                  manifest=result.manifest.to_json_dict(), created_at=now))
+        manifest = result.manifest.to_json_dict()
+        run = Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=storable(result.run_dir),
+                  prequential_bpb=result.prequential_bpb, final_score=result.final_score, manifest=manifest,
+                  created_at=now)
+        s.add(run)
+        _find(s, sub, attempt, run, manifest, now)
         sub.finished_at = now
     sub.status, sub.updated_at = status, now
     sub.error_stage, sub.error_kind, sub.error_message = failure
     return status
+
+
+def _find(s: Session, sub: Submission, attempt: Attempt, run: Run, manifest: dict, now) -> None:
+    """Record the finding ``manifest`` proves (:func:`~prism_challenge.service.findings.finding_of`)
+    against the submission's hotkey, in the caller's transaction (the run's)."""
+    facts = finding_of(manifest)
+    if facts is None:
+        return
+    s.flush()  # the run's id
+    hotkey = s.scalar(select(Submitter.hotkey).where(Submitter.id == sub.submitter_id))
+    s.add(Finding(hotkey=hotkey, submission_id=sub.id, attempt_id=attempt.id, run_id=run.id, kind=facts.kind,
+                  step=facts.step, rank=facts.rank, row=facts.row, recorded_nats=facts.recorded_nats,
+                  rescored_nats=facts.rescored_nats, message=facts.message, created_at=now))
+    log.warning("submission %d (hotkey %s): finding %s at batch %s", sub.id, hotkey, facts.kind, facts.step)
 
 
 def _failure_columns(result: EvalResult) -> tuple[str | None, str | None, str | None]:

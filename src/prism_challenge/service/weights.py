@@ -20,6 +20,10 @@ weights. Rules (``weights_rule``):
   entry itself) gets ``family_share``, and the hotkey of the family's best entry (the
   first-ranked one: the best training on that architecture, a variant or the original) gets
   ``1 - family_share``. One hotkey holding both gets 1.
+
+Suspended hotkeys (:mod:`prism_challenge.service.findings`; ``excluded``) are left out of both:
+their entries are dropped before the ranking, and a family author's share that would go to one
+is not paid: the best entry's hotkey gets 1.
 """
 
 from __future__ import annotations
@@ -30,20 +34,22 @@ from prism_challenge.service.queries import Entry
 from prism_challenge.verdict import DEFAULT_RANK_EPSILON_BPB, rank
 
 
-def leaderboard(entries: Iterable[Entry], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> list[Entry]:
-    """One entry per hotkey (its best), in rank order.
+def leaderboard(entries: Iterable[Entry], epsilon: float = DEFAULT_RANK_EPSILON_BPB, *,
+                excluded: frozenset[str] = frozenset()) -> list[Entry]:
+    """One entry per hotkey (its best), in rank order; the hotkeys of ``excluded`` left out.
 
     Raises:
         prism_challenge.verdict.VerdictError: a non-finite bpb (a harness bug) or a negative epsilon.
     """
     best: dict[str, Entry] = {}
-    for e in rank(entries, epsilon):
+    for e in rank([e for e in entries if e.hotkey not in excluded], epsilon):
         best.setdefault(e.hotkey, e)
     return rank(best.values(), epsilon)
 
 
 def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
-            owner_of: Callable[[int], str], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> dict[str, float]:
+            owner_of: Callable[[int], str], epsilon: float = DEFAULT_RANK_EPSILON_BPB,
+            excluded: frozenset[str] = frozenset()) -> dict[str, float]:
     """The weight of each hotkey (sorted by hotkey; zero weights left out).
 
     Args:
@@ -53,6 +59,7 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
         owner_of: the hotkey of a submission id (the family's first submission may have no
             scored run).
         epsilon: the ranking's epsilon, bpb.
+        excluded: suspended hotkeys: no entry of theirs is ranked, no share paid to them.
 
     Raises:
         ValueError: an unknown rule, or ``family_share`` outside [0, 1].
@@ -61,7 +68,7 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
         raise ValueError(f"weights rule {rule!r}: must be family-split or winner-takes-all")
     if not 0.0 <= family_share <= 1.0:
         raise ValueError(f"family_share {family_share}: must be in [0, 1]")
-    ranked = rank([e for e in entries if e.final_score > 0], epsilon)
+    ranked = rank([e for e in entries if e.final_score > 0 and e.hotkey not in excluded], epsilon)
     if not ranked:
         return {}
     best = ranked[0]
@@ -71,6 +78,8 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
     author = owner_of(best.variant_of if best.variant_of is not None else best.id)
     for hotkey, share in ((author, family_share), (best.hotkey, 1.0 - family_share)):
         out[hotkey] = out.get(hotkey, 0.0) + share
+    if author in excluded:  # the suspended author's share is not paid: the best training gets all
+        return {best.hotkey: 1.0}
     return {k: out[k] for k in sorted(out) if out[k] > 0}
 
 

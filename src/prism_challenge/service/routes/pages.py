@@ -1,9 +1,11 @@
 """The service's web pages, rendered on the server (Jinja2, autoescaped; no JavaScript): the
 leaderboard (``/``), a submission with its learning-curve plot (``/submissions/{id}``, the PNG
 at ``/submissions/{id}/curve.png`` drawn by :mod:`prism_challenge.plots`, the comparison
-plots) and "how to submit" (``/how-to-submit``). They show the JSON routes' data
+plots), a hotkey's findings and suspension (``/hotkeys/{hotkey}``) and "how to submit"
+(``/how-to-submit``). They show the JSON routes' data
 (:func:`~prism_challenge.service.routes.read.board`,
-:func:`~prism_challenge.service.routes.read.submission_view`)."""
+:func:`~prism_challenge.service.routes.read.submission_view`,
+:func:`~prism_challenge.service.routes.read.hotkey_view`)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import threading
 from collections import OrderedDict
 from importlib import resources
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.queries import latest_run
-from prism_challenge.service.routes.read import SubmissionId, board, submission_view
+from prism_challenge.service.routes.read import SubmissionId, board, hotkey_view, submission_view
 
 router = APIRouter(tags=["pages"], include_in_schema=False)
 templates = Jinja2Templates(directory=str(resources.files("prism_challenge") / "templates" / "service"))
@@ -54,7 +56,13 @@ def submission_page(request: Request, sid: int = SubmissionId) -> HTMLResponse:
         return error_page(request, exc)
     run = latest_run(request.app.state.store, sid)
     has_curve = bool(run is not None and (run.manifest.get("curve") or {}).get("nats_per_target"))
-    return _page(request, "submission.html", s=view, has_curve=has_curve)
+    return _page(request, "submission.html", s=view, has_curve=has_curve, hk=hotkey_view(request, view["hotkey"]))
+
+
+@router.get("/hotkeys/{hotkey}", response_class=HTMLResponse)
+def hotkey_page(request: Request, hotkey: str = Path(..., min_length=1, max_length=64)) -> HTMLResponse:
+    """A hotkey: whether it is suspended and why (each finding's run, batch and figures)."""
+    return _page(request, "hotkey.html", hk=hotkey_view(request, hotkey))
 
 
 @router.get("/submissions/{sid}/curve.png")

@@ -1,4 +1,5 @@
-"""The reading routes: a submission, its curve and manifest, the leaderboard, the weights."""
+"""The reading routes: a submission, its curve and manifest, a hotkey (its findings and
+suspension), the leaderboard, the weights (both without suspended hotkeys)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 from fastapi import APIRouter, Path, Request
 
+from prism_challenge.service import findings as fnd
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.queries import hotkey_of, latest_run, scored_entries
 from prism_challenge.service.routes.auth import check_token
@@ -60,10 +62,41 @@ def submission_view(request: Request, sid: int) -> dict:
         "attempts": row.attempts, "max_attempts": row.max_attempts, "bundle_sha256": row.bundle_sha256,
         "source_sha256": row.source_sha256, "family_sha256": row.family_sha256, "variant_of": row.variant_of,
         "failure": failure, "scores": _scores(manifest) if row.status == "completed" else None,
+        "finding": _finding(request, sid),
         "history": [{"number": a.number, "started_at": _iso(a.started_at), "finished_at": _iso(a.finished_at),
                      "outcome": a.outcome, "failure_stage": a.failure_stage, "failure_kind": a.failure_kind}
                     for a in store.attempts(sid)],
     }
+
+
+def _finding(request: Request, sid: int) -> dict | None:
+    f = fnd.finding_of_submission(request.app.state.store, sid)
+    state = request.app.state
+    return None if f is None else fnd.finding_view(f, state.clock(), state.settings.suspension_s)
+
+
+def suspended(request: Request) -> frozenset[str]:
+    """The hotkeys suspended now (:func:`prism_challenge.service.findings.suspended_hotkeys`)."""
+    state = request.app.state
+    return fnd.suspended_hotkeys(state.store, state.clock(), state.settings.suspension_s)
+
+
+def hotkey_view(request: Request, hotkey: str) -> dict:
+    """The JSON of ``GET /v1/hotkeys/{hotkey}`` (also the hotkey page's data): its suspension
+    (``suspended``, ``until``: ISO UTC or ``None``, ``reason``) and every finding against it."""
+    state = request.app.state
+    now, period = state.clock(), state.settings.suspension_s
+    s = fnd.suspension(state.store, hotkey, now, period)
+    return {"hotkey": hotkey, "suspended": s.suspended, "until": _iso(s.until) if s.suspended else None,
+            "suspension_s": period, "reason": fnd.describe(s.findings[0]) if s.suspended else None,
+            "findings": [fnd.finding_view(f, now, period) for f in fnd.findings(state.store, hotkey)]}
+
+
+@router.get("/v1/hotkeys/{hotkey}", summary="a hotkey: its findings and whether it is suspended")
+def get_hotkey(request: Request, hotkey: str = Path(..., min_length=1, max_length=64)) -> dict:
+    """Every finding against the hotkey (a run the audit caught) and its suspension (read-only;
+    an unknown hotkey has none)."""
+    return hotkey_view(request, hotkey)
 
 
 @router.get("/v1/submissions/{sid}", summary="a submission: status, failure (stage, kind, rule), scores")
@@ -131,13 +164,14 @@ def get_manifest(request: Request, sid: int = SubmissionId) -> dict:
 def board(request: Request) -> list[dict]:
     """The leaderboard's entries (also the leaderboard page's)."""
     state = request.app.state
-    entries = leaderboard(scored_entries(state.store, state.profile.name), state.epsilon)
+    entries = leaderboard(scored_entries(state.store, state.profile.name), state.epsilon, excluded=suspended(request))
     return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
              "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
              "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
 
 
-@router.get("/v1/leaderboard", summary="one entry per hotkey (its best run), in verdict.rank order")
+@router.get("/v1/leaderboard", summary="one entry per hotkey (its best run), in verdict.rank order; suspended "
+            "hotkeys left out")
 def get_leaderboard(request: Request) -> dict:
     """The leaderboard under the service's profile."""
     return {"profile": request.app.state.profile.name, "entries": board(request)}
@@ -155,9 +189,11 @@ def get_weights(request: Request) -> dict:
         return hotkey_of(store, store.submission(sid))
 
     w = weights(scored_entries(store, state.profile.name), settings.weights_rule,
-                family_share=settings.family_share, owner_of=owner_of, epsilon=state.epsilon)
+                family_share=settings.family_share, owner_of=owner_of, epsilon=state.epsilon,
+                excluded=suspended(request))
     return {"profile": state.profile.name, "rule": settings.weights_rule, "family_share": settings.family_share,
             "weights": w}
 
 
-__all__ = ["MAX_CURVE_POINTS", "board", "curve_points", "router", "sample_indices", "submission_view"]
+__all__ = ["MAX_CURVE_POINTS", "board", "curve_points", "hotkey_view", "router", "sample_indices", "submission_view",
+           "suspended"]

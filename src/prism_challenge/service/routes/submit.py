@@ -3,7 +3,9 @@
 The order of the checks, cheapest first, each answering its own code: the headers (400) and the
 timestamp window (401), the body read while it streams and cut at the limit (413) or the body
 timeout (408), the signature (401), the nonce (409: recorded only once the signature verified, so
-a forged request cannot burn a nonce), the hotkey's rate limit (429 with ``Retry-After``: after
+a forged request cannot burn a nonce), the hotkey's suspension (403 ``suspended``, naming the
+finding and its end: :mod:`prism_challenge.service.findings`; before the rate limit, so a refused
+request is not counted), the hotkey's rate limit (429 with ``Retry-After``: after
 the nonce, so replaying a captured request cannot spend its hotkey's limit), then the intake
 (:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings), the
 duplicate check (409 with the earlier id) and the new ``pending`` row (202). The bundle's
@@ -87,6 +89,22 @@ def _too_large(size: int, limit: int, partial: bool = False) -> ApiError:
                     rule="prism:body-limit")
 
 
+def _check_suspended(state, hotkey: str) -> None:
+    """403 ``suspended`` when a finding suspends ``hotkey`` now: the finding (kind, submission,
+    run, batch, figures) and the suspension's end in the message and the ``finding`` and
+    ``suspended_until`` keys."""
+    from prism_challenge.service import findings as fnd
+
+    s = fnd.suspension(state.store, hotkey, state.clock(), state.settings.suspension_s)
+    if not s.suspended:
+        return
+    until = s.until.isoformat() if s.until is not None else None
+    how_long = f"until {until}" if until else "until an operator lifts it"
+    raise ApiError(403, "suspended", f"{hotkey} is suspended {how_long}: {fnd.describe(s.findings[0])}; "
+                   f"see GET /v1/hotkeys/{hotkey}", stage="auth", rule="prism:suspended",
+                   finding=fnd.finding_view(s.findings[0]), suspended_until=until)
+
+
 def _rate(request: Request, hotkey: str) -> None:
     limiter: RateLimiter = request.app.state.rate_limiter
     wait = limiter.hit(hotkey)
@@ -108,6 +126,7 @@ async def submit(request: Request) -> JSONResponse:
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
     await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
                                    settings.signature_window_s)  # database writes: off the event loop
+    await anyio.to_thread.run_sync(_check_suspended, request.app.state, hotkey)
     _rate(request, hotkey)  # after the nonce: a replayed request cannot spend its hotkey's limit
     return await _accept(request, hotkey, body)
 
@@ -135,6 +154,7 @@ async def submit_internal(request: Request) -> JSONResponse:
                        rule="prism:internal-token")
     hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
     body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    await anyio.to_thread.run_sync(_check_suspended, request.app.state, hotkey)
     _rate(request, hotkey)
     return await _accept(request, hotkey, body)
 
