@@ -333,10 +333,12 @@ def test_a_suspended_hotkey_leaves_the_board_and_weights_gets_403_and_lifting_re
         assert (f["submission_id"], f["kind"], f["step"], f["recorded_nats"], f["rescored_nats"], f["active"]) == (
             cheat, "rescore", 7, 41.25, 44.0625, True)
         view = httpx.get(f"{base}/v1/submissions/{cheat}").json()
-        assert view["finding"]["id"] == f["id"] and httpx.get(f"{base}/v1/submissions/{honest}").json()["finding"] is None
+        assert view["finding"]["id"] == f["id"]
+        assert httpx.get(f"{base}/v1/submissions/{honest}").json()["finding"] is None
         for page in (f"/hotkeys/{ALICE}", f"/submissions/{cheat}", f"/submissions/{honest}"):
             html = httpx.get(base + page).text
-            assert "suspended" in html.lower() and "batch 7" in html and "44.0625" in html and f"run {f['run_id']}" in html
+            assert "suspended" in html.lower() and "batch 7" in html and "44.0625" in html
+            assert f"run {f['run_id']}" in html
         assert ALICE not in httpx.get(base + "/").text
         body = _bundle(tmp_path, "1")
         for _ in range(2):  # refused, and not counted against the rate limit of 1
@@ -443,7 +445,8 @@ def test_migration_0004_keeps_the_rows_of_0003(tmp_path):
         t = "'2026-01-01 00:00:00'"
         connection.execute(text(f"INSERT INTO submitters VALUES (1, 'hk', {t})"))
         connection.execute(text("INSERT INTO submissions (id, submitter_id, bundle_sha256, status, attempts, "
-                                f"max_attempts, created_at, updated_at) VALUES (1, 1, 'x', 'completed', 1, 3, {t}, {t})"))
+                                "max_attempts, created_at, updated_at) "
+                                f"VALUES (1, 1, 'x', 'completed', 1, 3, {t}, {t})"))
         connection.execute(text(f"INSERT INTO attempts (id, submission_id, number, started_at, outcome) "
                                 f"VALUES (1, 1, 1, {t}, 'completed')"))
         connection.execute(text("INSERT INTO runs (id, attempt_id, submission_id, status, manifest, created_at) "

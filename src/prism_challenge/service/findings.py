@@ -30,6 +30,7 @@ refused (403 ``suspended``).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from prism_challenge.service.models import Finding, storable
+from prism_challenge.service.models import Finding, Submitter, storable
+
+log = logging.getLogger("prism_challenge.service")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,22 @@ def _facts(kind: str, message: str, manifest: dict[str, Any]) -> Facts:
     return Facts(kind, step, rank, row, recorded, rescored, storable(message) or "")
 
 
+def record_finding(s: Any, sub: Any, attempt: Any, run: Any, manifest: dict[str, Any], now: datetime) -> None:
+    """Record the finding ``manifest`` proves (:func:`finding_of`), if any, against submission
+    ``sub``'s hotkey, for its ``attempt`` and ``run`` (rows of session ``s``), in the caller's
+    transaction: the one that stores the run (:meth:`prism_challenge.service.store.Store.record`),
+    so a run and its finding are written together, once (``findings.run_id`` is unique)."""
+    facts = finding_of(manifest)
+    if facts is None:
+        return
+    s.flush()  # the run's id
+    hotkey = s.scalar(select(Submitter.hotkey).where(Submitter.id == sub.submitter_id))
+    s.add(Finding(hotkey=hotkey, submission_id=sub.id, attempt_id=attempt.id, run_id=run.id, kind=facts.kind,
+                  step=facts.step, rank=facts.rank, row=facts.row, recorded_nats=facts.recorded_nats,
+                  rescored_nats=facts.rescored_nats, message=facts.message, created_at=now))
+    log.warning("submission %d (hotkey %s): finding %s at batch %s", sub.id, hotkey, facts.kind, facts.step)
+
+
 # -- suspension ------------------------------------------------------------------------------
 def is_active(f: Finding, now: datetime, period_s: float | None) -> bool:
     """Whether finding ``f`` suspends its hotkey at ``now``: not lifted, and ``period_s`` is
@@ -249,4 +268,4 @@ def describe(f: Finding) -> str:
 
 
 __all__ = ["Caught", "Facts", "KINDS", "PROVEN_CHEATS", "Suspension", "describe", "finding_of", "finding_of_submission",
-           "finding_view", "findings", "is_active", "lift", "suspended_hotkeys", "suspension"]
+           "finding_view", "findings", "is_active", "lift", "record_finding", "suspended_hotkeys", "suspension"]

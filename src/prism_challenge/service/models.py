@@ -223,7 +223,9 @@ class Finding(Base):
     ``rescored_nats`` (nats): ``rescore``: the batch's recorded nats and those its re-scoring
     gave; ``blind_probe`` and ``heldout_blind_probe``: the probed token's nats with the whole row
     shown and with only its past shown (the probe's two figures); ``None`` where the manifest
-    gives none (``heldout_causality``: its message names the shift).
+    gives none (``heldout_causality``: its message names the shift). A ``rescore``'s figures are
+    the manifest's exact floats; the probes' are read from their messages (6 significant digits
+    for ``blind_probe``, 4 for ``heldout_blind_probe``: the manifest has them nowhere else).
     """
 
     __tablename__ = "findings"

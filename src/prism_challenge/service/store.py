@@ -34,18 +34,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
 from prism_challenge.results import EvalResult
-from prism_challenge.service.findings import finding_of
-from prism_challenge.service.models import (
-    Attempt,
-    Dispatcher,
-    Finding,
-    Nonce,
-    Run,
-    Submission,
-    Submitter,
-    storable,
-    utcnow,
-)
+from prism_challenge.service.findings import record_finding
+from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, storable, utcnow
 
 log = logging.getLogger("prism_challenge.service")
 
@@ -410,25 +400,11 @@ def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, ba
                   prequential_bpb=result.prequential_bpb, final_score=result.final_score, manifest=manifest,
                   created_at=now)
         s.add(run)
-        _find(s, sub, attempt, run, manifest, now)
+        record_finding(s, sub, attempt, run, manifest, now)
         sub.finished_at = now
     sub.status, sub.updated_at = status, now
     sub.error_stage, sub.error_kind, sub.error_message = failure
     return status
-
-
-def _find(s: Session, sub: Submission, attempt: Attempt, run: Run, manifest: dict, now) -> None:
-    """Record the finding ``manifest`` proves (:func:`~prism_challenge.service.findings.finding_of`)
-    against the submission's hotkey, in the caller's transaction (the run's)."""
-    facts = finding_of(manifest)
-    if facts is None:
-        return
-    s.flush()  # the run's id
-    hotkey = s.scalar(select(Submitter.hotkey).where(Submitter.id == sub.submitter_id))
-    s.add(Finding(hotkey=hotkey, submission_id=sub.id, attempt_id=attempt.id, run_id=run.id, kind=facts.kind,
-                  step=facts.step, rank=facts.rank, row=facts.row, recorded_nats=facts.recorded_nats,
-                  rescored_nats=facts.rescored_nats, message=facts.message, created_at=now))
-    log.warning("submission %d (hotkey %s): finding %s at batch %s", sub.id, hotkey, facts.kind, facts.step)
 
 
 def _failure_columns(result: EvalResult) -> tuple[str | None, str | None, str | None]:

@@ -179,7 +179,8 @@ def get_leaderboard(request: Request) -> dict:
 
 @router.get("/internal/v1/weights", summary="weights per hotkey, normalized (family-split or winner-takes-all)")
 def get_weights(request: Request) -> dict:
-    """Bearer token. The rule and its parameters are the service's settings."""
+    """Bearer token. The rule and its parameters are the service's settings; suspended hotkeys
+    are paid nothing (:mod:`prism_challenge.service.findings`)."""
     state = request.app.state
     settings = state.settings
     check_token(request, settings.internal_token.get_secret_value() if settings.internal_token else None)
