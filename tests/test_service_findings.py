@@ -288,6 +288,14 @@ def test_suspension_ends_after_its_period_or_when_lifted(store):
     assert fnd.lift(store, BOB, by="op@host", reason=None, now=t0) == 0
 
 
+def test_the_standing_counts_runs_submitted_after_the_finding_only():
+    t = utcnow()
+    st = fnd.Standing(frozenset({ALICE}), {ALICE: t, BOB: t})
+    assert not st.counts(ALICE, t + timedelta(days=1))  # suspended: nothing counts
+    assert not st.counts(BOB, t) and not st.counts(BOB, t - timedelta(seconds=1))  # made before it was caught
+    assert st.counts(BOB, t + timedelta(microseconds=1)) and st.counts(CAROL, t)
+
+
 # -- the service ----------------------------------------------------------------------------
 def _scored(store: Store, hotkey: str, m: dict, family: str) -> int:
     sid = store.submit(hotkey, f"{len(family):064x}", family_sha256=family * 64, profile="local")
@@ -364,7 +372,7 @@ def test_a_suspended_hotkey_leaves_the_board_and_weights_gets_403_and_lifting_re
         assert "lifted" in httpx.get(f"{base}/hotkeys/{ALICE}").text
 
 
-def test_a_timed_suspension_expires_on_the_injected_clock(tmp_path):
+def test_a_timed_suspension_expires_on_the_injected_clock_and_the_runs_before_it_stay_out(tmp_path):
     with live_server(tmp_path, suspension_s=3600.0) as (base, app):
         store = app.state.store
         sid = _scored(store, BOB, _bpb(caught(), 0.5), "a")
@@ -376,7 +384,11 @@ def test_a_timed_suspension_expires_on_the_injected_clock(tmp_path):
         assert [h for h, _ in _board(base)] == [CAROL]
         app.state.clock = lambda: t0 + timedelta(seconds=3600)
         assert httpx.get(f"{base}/v1/hotkeys/{BOB}").json()["suspended"] is False
-        assert _board(base) == [(CAROL, carol), (BOB, sid)]  # back, its caught run zeroed: last
+        # no longer suspended, but its runs submitted before the finding stay out; a new one counts
+        assert _board(base) == [(CAROL, carol)] and _weights(base) == {CAROL: 1.0}
+        later = _scored(store, BOB, _bpb(manifest(), 1.0), "b")
+        assert _board(base) == [(BOB, later), (CAROL, carol)] and _weights(base) == {BOB: 1.0}
+        assert sid not in [s for _, s in _board(base)]
 
 
 def test_a_suspended_family_author_is_paid_nothing():

@@ -25,7 +25,9 @@ never a finding; every other held-out error (a timeout, bad logits, an audit-hoo
 ``created_at + suspension_s > now`` (the settings' ``suspension_s``; ``None``: until an operator
 lifts it). The period is applied when read, so a changed setting applies to standing findings
 too. A suspended hotkey is left out of the leaderboard and the weights, and its submissions are
-refused (403 ``suspended``).
+refused (403 ``suspended``). Its runs submitted before the finding stay out after a timed
+suspension ends (:class:`Standing`: one may be the draw that escaped the audit); a lift
+restores them.
 """
 
 from __future__ import annotations
@@ -226,9 +228,34 @@ def suspension(store: Any, hotkey: str, now: datetime, period_s: float | None) -
 
 def suspended_hotkeys(store: Any, now: datetime, period_s: float | None) -> frozenset[str]:
     """The hotkeys suspended at ``now`` (see :func:`suspension`)."""
+    return standing(store, now, period_s).suspended
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Which runs the leaderboard and the weights may count: ``suspended``, the hotkeys suspended
+    now; ``cutoff``, per hotkey with a finding not lifted, the latest such finding's time (UTC).
+    A run submitted at or before its hotkey's cutoff never counts again, even once a timed
+    suspension has ended: it was made by the hotkey before it was caught, and may be the draw
+    that escaped the audit (a lottery's winning ticket). A lift restores them all."""
+
+    suspended: frozenset[str]
+    cutoff: dict[str, datetime]
+
+    def counts(self, hotkey: str, submitted_at: datetime) -> bool:
+        """Whether a run of ``hotkey`` submitted at ``submitted_at`` (UTC) counts."""
+        cut = self.cutoff.get(hotkey)
+        return hotkey not in self.suspended and (cut is None or submitted_at > cut)
+
+
+def standing(store: Any, now: datetime, period_s: float | None) -> Standing:
+    """The :class:`Standing` at ``now`` under ``period_s`` (seconds; ``None``: no end)."""
     with store.sessions() as s:
         rows = list(s.scalars(select(Finding).where(Finding.lifted_at.is_(None))))
-    return frozenset(f.hotkey for f in rows if is_active(f, now, period_s))
+    cutoff: dict[str, datetime] = {}
+    for f in rows:
+        cutoff[f.hotkey] = max(cutoff.get(f.hotkey, f.created_at), f.created_at)
+    return Standing(frozenset(f.hotkey for f in rows if is_active(f, now, period_s)), cutoff)
 
 
 def lift(store: Any, hotkey: str, *, by: str, reason: str | None, now: datetime) -> int:
@@ -267,5 +294,5 @@ def describe(f: Finding) -> str:
     return f"finding {f.id} ({f.kind}) on submission {f.submission_id}, run {f.run_id}, {where}{figures}"
 
 
-__all__ = ["Caught", "Facts", "KINDS", "PROVEN_CHEATS", "Suspension", "describe", "finding_of", "finding_of_submission",
-           "finding_view", "findings", "is_active", "lift", "record_finding", "suspended_hotkeys", "suspension"]
+__all__ = ["Caught", "Facts", "KINDS", "PROVEN_CHEATS", "Standing", "Suspension", "describe", "finding_of", "finding_of_submission",
+           "finding_view", "findings", "is_active", "lift", "record_finding", "standing", "suspended_hotkeys", "suspension"]

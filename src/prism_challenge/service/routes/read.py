@@ -75,10 +75,13 @@ def _finding(request: Request, sid: int) -> dict | None:
     return None if f is None else fnd.finding_view(f, state.clock(), state.settings.suspension_s)
 
 
-def suspended(request: Request) -> frozenset[str]:
-    """The hotkeys suspended now (:func:`prism_challenge.service.findings.suspended_hotkeys`)."""
+def counted_entries(request: Request) -> tuple[list, frozenset[str]]:
+    """The scored entries under the service's profile that the leaderboard and the weights count
+    (:class:`prism_challenge.service.findings.Standing`), and the hotkeys suspended now."""
     state = request.app.state
-    return fnd.suspended_hotkeys(state.store, state.clock(), state.settings.suspension_s)
+    st = fnd.standing(state.store, state.clock(), state.settings.suspension_s)
+    entries = [e for e in scored_entries(state.store, state.profile.name) if st.counts(e.hotkey, e.submitted_at)]
+    return entries, st.suspended
 
 
 def hotkey_view(request: Request, hotkey: str) -> dict:
@@ -164,7 +167,8 @@ def get_manifest(request: Request, sid: int = SubmissionId) -> dict:
 def board(request: Request) -> list[dict]:
     """The leaderboard's entries (also the leaderboard page's)."""
     state = request.app.state
-    entries = leaderboard(scored_entries(state.store, state.profile.name), state.epsilon, excluded=suspended(request))
+    counted, suspended = counted_entries(request)
+    entries = leaderboard(counted, state.epsilon, excluded=suspended)
     return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
              "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
              "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
@@ -189,12 +193,13 @@ def get_weights(request: Request) -> dict:
     def owner_of(sid: int) -> str:
         return hotkey_of(store, store.submission(sid))
 
-    w = weights(scored_entries(store, state.profile.name), settings.weights_rule,
+    counted, suspended = counted_entries(request)
+    w = weights(counted, settings.weights_rule,
                 family_share=settings.family_share, owner_of=owner_of, epsilon=state.epsilon,
-                excluded=suspended(request))
+                excluded=suspended)
     return {"profile": state.profile.name, "rule": settings.weights_rule, "family_share": settings.family_share,
             "weights": w}
 
 
-__all__ = ["MAX_CURVE_POINTS", "board", "curve_points", "hotkey_view", "router", "sample_indices", "submission_view",
-           "suspended"]
+__all__ = ["MAX_CURVE_POINTS", "board", "counted_entries", "curve_points", "hotkey_view", "router", "sample_indices",
+           "submission_view"]
