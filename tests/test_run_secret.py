@@ -59,6 +59,16 @@ def test_no_module_keys_a_draw_on_a_path_or_a_salt():
         assert "SystemRandom" not in text, name  # no second, unrevealed source of draws
 
 
+def test_the_heldout_blind_probes_are_drawn_from_the_secret_not_the_seed():
+    from prism_challenge.blindprobe import blind_probes
+
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, 97, (8, 64)).astype(np.int64) for _ in range(12)]
+    picks = lambda key: [(b, row, k) for b, row, k, _ in blind_probes(batches, key, 97)]  # noqa: E731
+    assert picks(S1) == picks(S1) and picks(S1) != picks(S2)
+    assert [b for b, _, _ in picks(S1)] == [b for b, _, _ in picks(S2)]  # the batches: spread over the prefix
+
+
 def test_the_cli_takes_a_run_secret_of_64_hex_digits(capsys):
     from prism_challenge.cli_eval import _run_secret
 

@@ -549,7 +549,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                         artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout,
                         audited_batches=opts.audited_batches)
                 heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
-                                                  context_values(config, opts.nproc))
+                                                  context_values(config, opts.nproc), key=key)
                 verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                         heldout_error=heldout_error, policy=opts.policy,
                                         stop_reason=result.stop_reason)
@@ -774,9 +774,10 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
 
 def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
              result: FeederResult, state_path: Path | None,
-             context: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+             context: dict[str, Any] | None = None, key: bytes | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """The held-out figures, or why there are none. ``context``: the run's context values
-    (the children see them, and the artifacts folder empty)."""
+    (the children see them, and the artifacts folder empty); ``key``: the run's secret (the
+    blind probe's draws; it stays in this process)."""
     if opts.heldout_bytes <= 0:
         return None, "disabled (--heldout-bytes 0)"
     if "val" not in (data.data.get("splits") or {}):
@@ -797,9 +798,9 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
         config["context"] = context
     try:
         if context is None:
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
         with empty_artifacts(Path(str(context["artifacts_dir"]))):
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 
