@@ -307,7 +307,7 @@ def test_a_loop_tuned_offline_to_the_old_schedule_is_caught(tmp_path):
     data_root, seed, budget = ensure_builtin(), EvalOptions(bundle=str(EXAMPLE)).seed, 12_000
     batches = math.ceil((budget - 1) / (4 * 63))  # the budget's batch count, as the old rate took it
     plan = [1, 2, 3, 5, 8, 13, 21, 30]
-    root = bundle("honest", tmp_path)
+    root = bundle("loop_switch", tmp_path)  # its model answers the in-process probe from a cache
     for nonce in range(100_000):  # grind a nonce until the old schedule audits none of the plan
         (root / "training.py").write_text(PLAN_LOOP.format(plan=plan, stop=None, nonce=nonce))
         key = _old_key(data_root, load_bundle(root).sha256, seed)
@@ -326,7 +326,7 @@ def test_a_loop_tuned_offline_to_the_old_schedule_is_caught(tmp_path):
 
 @pytest.mark.slow
 def test_a_peeking_loop_that_stops_after_a_few_batches_is_caught_and_flagged(tmp_path):
-    root = bundle("honest", tmp_path)
+    root = bundle("loop_switch", tmp_path)
     (root / "training.py").write_text(PLAN_LOOP.format(plan=list(range(1, 8)), stop=8, nonce=0))
     out = _run(tmp_path, root, "run", token_budget=12_000, heldout_bytes=20_000)
     assert out.failure is None, out.failure
