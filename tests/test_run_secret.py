@@ -50,6 +50,14 @@ def test_the_secret_is_the_given_one_or_fresh_from_secrets_and_nothing_else(tmp_
     assert not hasattr(pipeline, "_probe_key")
 
 
+def test_the_service_never_sets_a_run_secret(tmp_path):
+    from prism_challenge.profiles import load_profile
+    from prism_challenge.service.worker import options_for
+
+    for name in ("local", "prism-v2"):
+        assert options_for(load_profile(name), EXAMPLE, tmp_path / name).run_secret is None
+
+
 def test_no_module_keys_a_draw_on_a_path_or_a_salt():
     src = Path(pipeline.__file__).parent
     for name in ("pipeline.py", "evaluator/feeder.py", "rescore.py", "auditstage.py", "heldout.py", "gapnoise.py",
