@@ -46,7 +46,8 @@ def test_the_secret_is_the_given_one_or_fresh_from_secrets_and_nothing_else(tmp_
     drawn = []
     monkeypatch.setattr(pipeline.secrets, "token_bytes", lambda n: drawn.append(n) or b"\x07" * n)
     # exactly the draw: no data directory, salt, path, bundle hash or seed mixed in
-    assert run_secret(opts) == b"\x07" * 32 == run_secret(EvalOptions(bundle=str(EXAMPLE), seed=9)) and drawn == [32, 32]
+    assert run_secret(opts) == b"\x07" * 32 == run_secret(EvalOptions(bundle=str(EXAMPLE), seed=9))
+    assert drawn == [32, 32]
     assert not hasattr(pipeline, "_probe_key")
 
 

@@ -774,7 +774,8 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
 
 def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
              result: FeederResult, state_path: Path | None,
-             context: dict[str, Any] | None = None, key: bytes | None = None) -> tuple[dict[str, Any] | None, str | None]:
+             context: dict[str, Any] | None = None,
+             key: bytes | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """The held-out figures, or why there are none. ``context``: the run's context values
     (the children see them, and the artifacts folder empty); ``key``: the run's secret (the
     blind probe's draws; it stays in this process)."""
