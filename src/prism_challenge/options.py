@@ -190,8 +190,8 @@ class EvalOptions:
     ``audited_batches``: ``A`` of the harmonic audit schedule (batch 0, then batch ``k`` with
     probability ``min(1, A / k)``; a cheat on a fraction ``f`` of the batches escapes with
     probability at most ``(1 - f)^A``: :mod:`~prism_challenge.evaluator.auditplan`;
-    ``heldout_timeout`` bounds the audit's children too); 0 turns the audit off (benchmarks only: an unaudited run takes the
-    submission's word for its records).
+    ``heldout_timeout`` bounds the audit's children too); 0 turns the audit off (benchmarks
+    only: an unaudited run takes the submission's word for its records).
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run:
     one rank under the single-rank agent (:mod:`~prism_challenge.evaluator.single`), several for
     torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
