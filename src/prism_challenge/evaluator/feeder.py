@@ -559,10 +559,10 @@ class Feeder:
 
         The first ``PROBE_FIRST`` steps and a ``PROBE_RATE`` share of the others, drawn from
         ``HMAC-SHA256(probe_key, "step")`` (the run's secret, which the submission never sees).
-        The draw depends on the
-        step alone, never on the rank: every rank probes the same steps (so each runs the same
-        number of forwards, and a collective inside ``forward`` stays matched), with the same
-        ``k`` and ``shift``; ``row`` is the same fraction of each rank's ``rows``.
+        The draw depends on the step alone, never on the rank: every rank probes the same steps
+        (so each runs the same number of forwards, and a collective inside ``forward`` stays
+        matched), with the same ``k`` and ``shift``; ``row`` is the same fraction of each rank's
+        ``rows``.
         """
         if seq_len < 2:
             return None
