@@ -127,6 +127,20 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
 
 
+def test_a_drawn_batch_the_loop_never_recorded_is_not_an_audited_batch(tmp_path):
+    f = audit_feeder(tmp_path, step_budget=5, audited_batches=1)  # batches 0 and 1 drawn
+    r = FakeRunner(f)
+    r.next(2, 10)
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+    r.take()  # batch 1, drawn, served: the loop stops before it records it
+    _snapshot(r, 0, {"w": torch.ones(2)})
+    protocol.send(r.sock, Kind.DONE, {})
+    assert wait_done(f)
+    res = f.finish()
+    assert res.error is None and [s.step for s in res.steps] == [0] and res.stop_reason == "loop_stopped"
+    assert sorted(res.audits) == [0] == drawn_steps(KEY, len(res.steps), 1)
+
+
 def test_a_snapshot_for_a_batch_not_audited_fails_the_run(tmp_path):
     f = audit_feeder(tmp_path, step_budget=4, audited_batches=1)
     r = FakeRunner(f)
