@@ -3,7 +3,9 @@
 * **share**: ``prism eval`` on the example (``examples/tiny-1m``, CPU) at 20k and 200k tokens;
   printed: the run's wall time, the audit's (``audit.wall_s``, the whole stage: the probes' text
   tokenized, the re-scoring child, then the blind-probe child, one after the other on an emptied
-  folder, and the inputs written for ``prism verify``), its share, and the audited batches. Goal (issue 15): at most 10 % at 200k tokens. With ``--baseline`` each size also runs
+  folder, and the inputs written for ``prism verify``), its share, the schedule, and the audited
+  batches: actual, expected, and re-derived from the manifest's ``run_secret``. Goal (issues 15
+  and 25): at most 10 % at 200k tokens. With ``--baseline`` each size also runs
   with ``audited_batches=0``: the headline is then the whole command's wall time against the
   unaudited run's, with the stream times beside it (the snapshots rank 0 sends and the feeder
   writes, and the answers).
@@ -19,11 +21,12 @@ on 2 cores; the blind probe child starts as a spare while the re-scoring child w
 ``Jail.warm``; each child's reading of its snapshots; the inputs written for ``prism verify``),
 plus per audited batch one build and load of the model and one forward in each child and the
 instrument's scoring in the re-scoring child (the example: about 0.35 s re-scoring, 0.3 s per
-blind pass; ``auditplan``'s docstring derives ``A = 20`` with one pass from these). The stream
-costs per batch one scoring forward and the loop's training step (the example: about 1 s). So at
-``N`` batches the share falls as ``(5 s + A * (2 forward + scoring)) / (N * step)``: linear in
-``A`` (and ``A`` varies from run to run as ``1 + Binomial(N - 1, (A - 1) / (N - 1))``, one
-standard deviation about ``sqrt(A)`` batches), inversely in ``N``; model size scales both the
+blind pass; ``auditplan``'s docstring derives ``A = 4`` with one pass from these). The stream
+costs per batch one scoring forward and the loop's training step (the example: about 1 s). The
+schedule is harmonic (batch 0, then batch ``k`` with probability ``min(1, A / k)``), so a run of
+``N`` batches audits ``E(N) = 1 + sum_{k<N} min(1, A / k) ~ A (1 + ln(N / A))`` batches on average
+(20.1 at ``N = 197``, ``A = 4``); the share is ``(5 s + E(N) * (2 forward + scoring)) / (N *
+step)``: it falls as ``ln(N) / N`` with the run's length; model size scales both the
 forward and the step, so it leaves the share nearly unchanged (a larger model makes the constant
 part matter less; one whose backward dominates its step makes the share smaller). Snapshots add
 ``A * 4 * parameters`` bytes sent and written.
@@ -60,7 +63,8 @@ def share(tokens: int, isolation: str, audited: int | None) -> dict:
         audit = m.get("audit") or {}
         return {"wall": m["timing"]["wall_s"], "stream": m["timing"]["release_to_last_record_s"],
                 "audit": audit.get("wall_s", 0.0), "audited": len(audit.get("batches", [])),
-                "batches": m["stream"]["batches"], "passed": audit.get("passed")}
+                "batches": m["stream"]["batches"], "passed": audit.get("passed"),
+                "schedule": audit.get("schedule"), "secret": m.get("run_secret")}
 
 
 def copy_cost(repeats: int = 50) -> None:
@@ -105,11 +109,17 @@ def main() -> None:
     copy_cost()
     if args.copy_cost:
         return
+    from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, drawn_steps, expected_audits
+
+    print(f"schedule: harmonic, A = {AUDITED_BATCHES} (batch 0, then batch k with probability min(1, A/k))")
     for tokens in (int(s) for s in args.sizes.split(",") if s):
         r = share(tokens, args.isolation, None)
+        a = (r["schedule"] or {}).get("audited_batches", AUDITED_BATCHES)
+        rederived = len(drawn_steps(bytes.fromhex(r["secret"]), r["batches"], a)) if r["secret"] else None
         line = (f"example, {tokens} tokens: run {r['wall']:.1f} s, audit {r['audit']:.1f} s = "
                 f"{100 * r['audit'] / r['wall']:.1f} % of the run ({r['audited']} of {r['batches']} batches audited, "
-                f"passed {r['passed']})")
+                f"expected E({r['batches']}) = {expected_audits(r['batches'], a):.1f}, re-derived from run_secret "
+                f"{rederived}; passed {r['passed']})")
         if args.baseline:
             b = share(tokens, args.isolation, 0)
             line += (f"; whole run {r['wall']:.1f} s vs {b['wall']:.1f} s unaudited ({r['wall'] / b['wall']:.3f}x), "

@@ -330,7 +330,10 @@ def test_every_rank_gets_the_same_probes_at_the_same_steps(tmp_path, key):
     for a, b in zip(per_rank[0], per_rank[1]):
         assert (a is None) == (b is None) and (a is None or (a[:2] == b[:2] and b[2] < 4 and a[2] < 5))
     assert per_rank[0] == per_rank[2]
-    assert f._draws == {}  # an unkeyed draw is dropped once every rank took it
+    if key is None:  # no key given: a fresh secret key from `secrets`, never a guessable one
+        g = Feeder(str(tmp_path / "g.sock"), iter([]), {}, vocab_size=257)
+        assert len(f._probe_key) == 32 and f._probe_key != g._probe_key
+        g.close()
     f.close()
 
 

@@ -15,9 +15,11 @@ from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.auditplan import (
     AUDITED_BATCHES,
     audit_draw,
-    audit_rate,
     catch_probability,
-    expected_batches,
+    drawn_steps,
+    escape_bound,
+    expected_audits,
+    rate_at,
     within,
 )
 from prism_challenge.evaluator.feeder import Feeder
@@ -40,35 +42,37 @@ NBYTES = [1] * 4000
 
 
 # -- the schedule ------------------------------------------------------------------------------
-def test_rate_gives_a_batches_on_average():
-    assert audit_rate(101, 24) == pytest.approx(23 / 100)
-    assert audit_rate(10, 24) == 1.0 and audit_rate(None) == 1.0 and audit_rate(1) == 1.0
+def test_the_harmonic_rate_decays_as_a_over_k():
+    assert [rate_at(k, 4) for k in (0, 1, 4, 5, 8, 400)] == [1.0, 1.0, 1.0, 0.8, 0.5, 0.01]
+    assert rate_at(0, 0) == 0.0 and rate_at(7, 0) == 0.0
     key = b"k" * 32
-    n = 2001
-    rate = audit_rate(n, 24)
-    audited = 1 + sum(audit_draw(key, s) < rate for s in range(1, n))
-    assert abs(audited - 24) <= 3 * math.sqrt(23)  # 1 + Binomial(2000, 23/2000)
+    assert drawn_steps(key, 5, 4) == [0, 1, 2, 3, 4]  # rate 1 up to k = A
+    # the drawn steps are those whose keyed draw is under the rate, and a prefix of a longer stream's
+    n = 20_000
+    steps = drawn_steps(key, n, 4)
+    assert steps == [k for k in range(n) if k == 0 or audit_draw(key, k) < min(1.0, 4 / k)]
+    assert drawn_steps(key, 300, 4) == [k for k in steps if k < 300]
+    # E(n) = 1 + sum_{k=1}^{n-1} min(1, A/k), by hand for n = 7, A = 4: 1 + 1 + 1 + 1 + 1 + 4/5 + 4/6
+    assert expected_audits(7, 4) == pytest.approx(5 + 0.8 + 4 / 6)
+    e = expected_audits(n, 4)
+    var = math.fsum(r * (1 - r) for r in (rate_at(k, 4) for k in range(n)))
+    assert abs(len(steps) - e) <= 4 * math.sqrt(var)
+    assert e == pytest.approx(4 * (1 + math.log(n / 4)), rel=0.05)  # ~ A (1 + ln(n / A))
 
 
-def test_expected_batches_takes_the_smallest_budget():
-    # 4 rows of 64 tokens: 252 new tokens per step; 10 001 tokens -> ceil(10000 / 252) = 40 steps
-    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=10_001, byte_budget=None,
-                            first_step_bytes=300, stream_bytes=None) == 40
-    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=7, token_budget=10_001, byte_budget=None,
-                            first_step_bytes=300, stream_bytes=None) == 7
-    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=None, byte_budget=3000,
-                            first_step_bytes=300, stream_bytes=10**6) == 10
-    assert expected_batches(rows_per_step=4, seq_len=64, step_budget=None, token_budget=None, byte_budget=None,
-                            first_step_bytes=300, stream_bytes=None) is None
-
-
-def test_catch_probability_bounds_the_escape_from_below():
-    assert catch_probability(0.25, 24) == pytest.approx(1 - math.exp(-0.25 * 23))
-    assert catch_probability(0.1, AUDITED_BATCHES) == pytest.approx(0.8504, abs=1e-4)  # the README's 0.85
-    n, a = 197, AUDITED_BATCHES  # each later batch audited at the rate: m cheating batches all missed
-    rate = audit_rate(n, a)
-    for m in (1, 19, 49, 98, 196):
-        assert 1 - (1 - rate) ** m >= catch_probability(m / (n - 1), a)
+def test_catch_probability_is_the_complement_of_the_harmonic_bound():
+    assert escape_bound(0.5, 4) == 0.0625 and catch_probability(0.5, 4) == 0.9375
+    assert catch_probability(0.25, 4) == pytest.approx(1 - 0.75**4)
+    assert catch_probability(0.1, AUDITED_BATCHES) == pytest.approx(1 - 0.9**AUDITED_BATCHES)
+    assert escape_bound(0.0, 4) == 1.0 and escape_bound(1.0, 4) == 0.0
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        escape_bound(1.5)
+    # the exact escape of a cheat on the last f n batches, prod (1 - r_k), is under the bound at every n
+    for n in (10, 40, 197, 646, 50_000):
+        for f in (0.5, 0.25, 0.1):
+            m = max(1, int(f * n))
+            exact = math.prod(1 - rate_at(k, 4) for k in range(n - m, n))
+            assert exact <= escape_bound(m / n, 4) + 1e-12, (n, f)
 
 
 def test_tolerance_is_relative_and_per_device():
@@ -79,15 +83,25 @@ def test_tolerance_is_relative_and_per_device():
 
 
 # -- the wire ----------------------------------------------------------------------------------
+KEY = b"t" * 32  # with A = 1: batches 0 and 1 audited (rate 1), batch 2 not (its draw is 0.86 >= 1/2)
+
+
 def audit_feeder(tmp_path, **kw):
     f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(IDS, NBYTES, 100)), {"seed": 1}, vocab_size=257,
-               audit_dir=tmp_path / "audit", probe_key=b"s" * 32, **kw)
+               audit_dir=tmp_path / "audit", probe_key=KEY, **kw)
     f.start()
     return f
 
 
+def _snapshot(r, step, state):
+    for head, payload in frames(state):
+        protocol.send(r.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
+    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+
+
 def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
-    f = audit_feeder(tmp_path, step_budget=2, audited_batches=1)  # A = 1: batch 0 only
+    assert drawn_steps(KEY, 3, 1) == [0, 1]
+    f = audit_feeder(tmp_path, step_budget=3, audited_batches=1)
     r = FakeRunner(f)
     b0 = r.next(2, 10)
     assert r.audits == []  # nothing recorded yet: no answer
@@ -95,16 +109,17 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     r.take()  # batch 1 carries the answer to batch 0's record
     assert r.audits == [[0, True]]
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([3])}
-    for head, payload in frames(state):
-        protocol.send(r.sock, Kind.SNAPSHOT, {**head, "step": 0}, payload)
-    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 2})
-    r.record(1, 6.0)
+    _snapshot(r, 0, state)
+    protocol.send_small(r.sock, (Kind.RECORD, {"step": 1, "nats": 6.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+    r.take()
+    _snapshot(r, 1, {"w": torch.zeros(2, 3), "n": torch.tensor([4])})
+    r.record(2, 6.0)
     assert r.next(2, 10) is None
-    assert r.audits == [[0, True], [1, False]]  # the end carries the last answer
+    assert r.audits == [[0, True], [1, True], [2, False]]  # the end carries the last answer
     protocol.send(r.sock, Kind.DONE, {})
     assert wait_done(f)
     res = f.finish()
-    assert res.error is None and sorted(res.audits) == [0] and res.audit_rate == 0.0
+    assert res.error is None and sorted(res.audits) == [0, 1]
     a = res.audits[0]
     assert a.recorded == {0: 7.5} and np.array_equal(a.pieces[0], b0)
     assert a.sha256 == hashlib.sha256(a.snapshot.read_bytes()).hexdigest()
@@ -112,15 +127,31 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
 
 
-def test_a_snapshot_for_a_batch_not_audited_fails_the_run(tmp_path):
-    f = audit_feeder(tmp_path, step_budget=3, audited_batches=1)
+def test_a_drawn_batch_the_loop_never_recorded_is_not_an_audited_batch(tmp_path):
+    f = audit_feeder(tmp_path, step_budget=5, audited_batches=1)  # batches 0 and 1 drawn
     r = FakeRunner(f)
     r.next(2, 10)
     protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
-    r.take()
-    protocol.send(r.sock, Kind.SNAPSHOT_END, {"step": 0, "tensors": 0})
-    r.record(1, 6.0)
-    protocol.send(r.sock, Kind.SNAPSHOT, {"step": 1, "name": "w", "dtype": "torch.float32", "shape": [1]}, b"\0" * 4)
+    r.take()  # batch 1, drawn, served: the loop stops before it records it
+    _snapshot(r, 0, {"w": torch.ones(2)})
+    protocol.send(r.sock, Kind.DONE, {})
+    assert wait_done(f)
+    res = f.finish()
+    assert res.error is None and [s.step for s in res.steps] == [0] and res.stop_reason == "loop_stopped"
+    assert sorted(res.audits) == [0] == drawn_steps(KEY, len(res.steps), 1)
+
+
+def test_a_snapshot_for_a_batch_not_audited_fails_the_run(tmp_path):
+    f = audit_feeder(tmp_path, step_budget=4, audited_batches=1)
+    r = FakeRunner(f)
+    r.next(2, 10)
+    for step in (0, 1):
+        protocol.send_small(r.sock, (Kind.RECORD, {"step": step, "nats": 7.5}),
+                            (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
+        r.take()
+        _snapshot(r, step, {})
+    r.record(2, 6.0)
+    protocol.send(r.sock, Kind.SNAPSHOT, {"step": 2, "name": "w", "dtype": "torch.float32", "shape": [1]}, b"\0" * 4)
     assert f.failed.wait(5)
     assert "which was not audited now" in f.finish().error["message"]
 

@@ -244,7 +244,7 @@ def test_heldout_scoring_and_the_blind_probe_pass_a_bf16_model_like_with_like():
     fresh.load_state_dict(trained.state_dict())
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, v, (4, 32)).astype(np.int64) for _ in range(5)]
-    probes = blind_probes(batches, 1234, v)
+    probes = blind_probes(batches, b"k" * 32, v)
     scored = score_rows(trained, batches, v, "cpu", picks=[p[:3] for p in probes])  # every batch probed
     from prism_challenge.blindprobe import logprobs_at
 
@@ -263,7 +263,7 @@ def test_the_blind_probe_catches_a_bf16_model_that_reads_the_next_token():
     cheat = PeekBf16(v)
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, v, (4, 32)).astype(np.int64) for _ in range(3)]
-    probes = blind_probes(batches, 1234, v)
+    probes = blind_probes(batches, b"k" * 32, v)
     scored = score_rows(cheat, batches, v, "cpu", probe=False, picks=[p[:3] for p in probes])
     seen = [logprobs_at(cheat, p[3], p[1], p[2] - 1, v, "cpu") for p in probes]
     with pytest.raises(BlindProbeError, match="contract: the trained model is not causal on held-out text"):

@@ -315,3 +315,16 @@ def test_an_honest_example_run_is_not_flagged_and_reports_the_measured_noise(tmp
     # the manifest alone gives the same verdict again (the curve stands in for the step records)
     again = build_verdict(m["score"]["prequential_bpb"], m["curve"], 50257, ho)
     assert again.memorization_noise == noise and again.memorization_threshold == v["memorization_threshold"]
+
+
+def test_a_loop_that_stopped_before_its_budget_is_flagged_and_scored_the_same():
+    steps = [StepRecord(0, 60.0, 10, 10)]
+    bpb = 60 / LN2 / 10
+    full = build_verdict(bpb, steps, 257, None, stop_reason="token_budget")
+    short = build_verdict(bpb, steps, 257, None, stop_reason="loop_stopped")
+    assert full.flags == ["heldout_unavailable"] and short.flags == ["heldout_unavailable", "loop_stopped"]
+    assert short.final_score == full.final_score == pytest.approx(1 / (1 + bpb))
+    # the flag alone moves no run to another tier (the ranking's treatment is issue 29's)
+    short_entry = {"id": "short", "prequential_bpb": 1.0, "flags": ["loop_stopped"], "submitted_at": 1}
+    full_entry = {"id": "full", "prequential_bpb": 1.5, "flags": [], "submitted_at": 0}
+    assert [e["id"] for e in rank([full_entry, short_entry])] == ["short", "full"]

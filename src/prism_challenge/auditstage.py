@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL
+from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL, SCHEDULE_RULE
 from prism_challenge.rescore import CHILD_ARGV, AuditReport, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
@@ -123,8 +123,8 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     from prism_challenge.evaluator.isolation import IsolationError
 
     t0 = time.monotonic()
-    meta = {"audited_batches_target": audited_batches, "rate": result.audit_rate,
-            "expected_batches": result.audit_expected_batches,
+    meta = {"audited_batches_target": audited_batches,
+            "schedule": {"rule": SCHEDULE_RULE, "audited_batches": audited_batches},
             "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"],
             "shape": list(result.shape) if result.shape else None, "context": dict(config["context"])}
     with empty_artifacts(artifacts) as empty:

@@ -18,6 +18,8 @@ the stream).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -33,12 +35,14 @@ class BlindProbeError(RuntimeError):
     """A blind probe failed: ``"contract: ..."`` (not causal) or ``"protocol: ..."`` (a bad reply)."""
 
 
-def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
+def blind_probes(batches: Sequence[np.ndarray], key: bytes, vocab_size: int,
                  count: int = BLIND_PROBES) -> list[tuple[int, int, int, np.ndarray]]:
     """The blind causality probes of a held-out evaluation: ``(batch, row, k, probe_batch)``.
 
     Up to ``count`` batches spread over the prefix; in each, one row and ``k`` (``1 <= k < T``)
-    drawn from a generator seeded by ``seed``. ``probe_batch`` ``[B, T]`` int64 has the batch's
+    drawn from a generator seeded by ``HMAC-SHA256(key, "heldout-blind-probes")``, ``key`` the
+    run's secret (:func:`prism_challenge.pipeline.run_secret`): never the public seed, so no
+    one can tell in advance which rows and positions are probed. ``probe_batch`` ``[B, T]`` int64 has the batch's
     shape and is **real text**: a copy of another held-out batch of that shape, two batches away
     at least (so none of its tokens is the probed row's true future, which runs on into the next
     row and the next batch), whose row ``row`` is replaced, before ``k``, by the probed row's own
@@ -48,7 +52,7 @@ def blind_probes(batches: Sequence[np.ndarray], seed: int, vocab_size: int,
     """
     if not batches:
         return []
-    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, 0x424C4E44])
+    rng = np.random.default_rng(int.from_bytes(hmac.new(key, b"heldout-blind-probes", hashlib.sha256).digest(), "big"))
     picks = sorted({int(round(x)) for x in np.linspace(0, len(batches) - 1, num=min(count, len(batches)))})
     out = []
     for b in picks:

@@ -80,6 +80,14 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
+def _run_secret(text: str) -> bytes:
+    """``--run-secret``: 64 hex digits (a manifest's ``run_secret``) as the run's 32 bytes."""
+    s = text.strip().lower()
+    if len(s) != 64 or any(c not in "0123456789abcdef" for c in s):
+        raise argparse.ArgumentTypeError(f"{text!r}: a run secret is 64 hex digits, as a manifest's run_secret")
+    return bytes.fromhex(s)
+
+
 def add_eval_parser(sub: Any) -> None:
     """Register ``prism eval`` on an argparse subparsers object."""
     local = load_profile(DEFAULT_PROFILE).options
@@ -140,6 +148,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     p.add_argument("--isolation", choices=["strict", "none"], default="strict",
                    help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
+    p.add_argument("--run-secret", type=_run_secret, metavar="HEX",
+                   help="repeat a run exactly: the 64 hex digits of its manifest's run_secret (the key of "
+                   "its audit and probe draws; default: a fresh secret per run, revealed in the manifest)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (summary and manifest path); human output goes to stderr")
     p.add_argument("--quiet", action="store_true",
@@ -173,7 +184,7 @@ def _options(args: argparse.Namespace, profile, seed: int | None, out_dir: str |
         overridden.sort()
     return EvalOptions(bundle=args.bundle, out_dir=out_dir, nnodes=args.nnodes, rank_timeout=args.rank_timeout,
                        idle_timeout=args.idle_timeout, isolation=args.isolation, profile=profile,
-                       profile_overridden=overridden, **settings)
+                       profile_overridden=overridden, run_secret=getattr(args, "run_secret", None), **settings)
 
 
 def _seeds(args: argparse.Namespace, profile) -> list[int] | None:
@@ -203,6 +214,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     human = Console(stderr=True) if args.json else Console()
     if args.seeds and args.seed is not None:
         return _usage(args, human, "--seed and --seeds: give the seeds in --seeds only")
+    if getattr(args, "run_secret", None) is not None and (args.seeds or args.repeats):
+        return _usage(args, human, "--run-secret repeats one run: not with --seeds or --repeats")
     try:
         profile = load_profile(args.profile)
     except ProfileError as exc:

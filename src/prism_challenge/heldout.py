@@ -54,6 +54,7 @@ import io
 import json
 import math
 import os
+import secrets
 import struct
 import sys
 import time
@@ -438,6 +439,7 @@ def run_heldout(
     timeout_s: float,
     jail: Jail | None = None,
     memory_bytes: int | None = None,
+    key: bytes | None = None,
 ) -> dict[str, Any]:
     """Run the held-out evaluation in a jailed child process and return its figures.
 
@@ -457,6 +459,9 @@ def run_heldout(
         jail: the run's :class:`~prism_challenge.evaluator.jail.Jail` (sandbox, environment,
             limits); default: no sandbox, :data:`HELDOUT_LIMITS` with ``memory_bytes``
             (``None``: unlimited address space, needed on CUDA).
+        key: the run's secret, which draws the blind probe's rows and positions
+            (:func:`~prism_challenge.blindprobe.blind_probes`; never sent to a child); ``None``:
+            a fresh one from :func:`secrets.token_bytes`.
 
     Returns:
         ``{"val_bpb_twin", "val_bpb_trained", "heldout_delta", "targets", "bytes", "nats_twin",
@@ -497,7 +502,7 @@ def run_heldout(
                     dataclasses.replace(HELDOUT_LIMITS, address_space_bytes=memory_bytes), child_config["threads"])
     child_config["hidden"] = list(jail.hidden)
     batches = [c.tokens for c in cuts]
-    probes = blind_probes(batches, int(config["seed"]), int(config["vocab_size"]))
+    probes = blind_probes(batches, key if key is not None else secrets.token_bytes(32), int(config["vocab_size"]))
     child_config["checks"] = [[b, row, k] for b, row, k, _ in probes]
     deadline = t0 + timeout_s
     try:

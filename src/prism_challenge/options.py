@@ -187,10 +187,11 @@ class EvalOptions:
     ``/dev/shm``), ``max_file_bytes`` per file,
     ``max_open_files``, ``artifacts_quota_bytes`` in all); ``"none"`` for local work only.
     Held-out: the first ``heldout_bytes`` UTF-8 bytes (whole documents) of the val split.
-    ``audited_batches``: ``A``, the batches re-scored from weight snapshots on average
-    (:mod:`~prism_challenge.evaluator.auditplan`; ``heldout_timeout`` bounds the audit's
-    children too); 0 turns the audit off (benchmarks only: an unaudited run takes the
-    submission's word for its records).
+    ``audited_batches``: ``A`` of the harmonic audit schedule (batch 0, then batch ``k`` with
+    probability ``min(1, A / k)``; a cheat on a fraction ``f`` of the batches escapes with
+    probability at most ``(1 - f)^A``: :mod:`~prism_challenge.evaluator.auditplan`;
+    ``heldout_timeout`` bounds the audit's children too); 0 turns the audit off (benchmarks
+    only: an unaudited run takes the submission's word for its records).
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run:
     one rank under the single-rank agent (:mod:`~prism_challenge.evaluator.single`), several for
     torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts

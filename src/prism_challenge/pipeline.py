@@ -11,12 +11,11 @@ manifest. The runner (untrusted) only ever sees one batch at a time.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import math
 import os
 import platform
 import resource
+import secrets
 import shlex
 import shutil
 import signal
@@ -423,7 +422,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
             bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None))
 
-    key = _probe_key(data.root, bundle, opts.seed)
+    key = run_secret(opts)  # after intake; never sent to the sandbox
     feeder = Feeder(
         sock_path,
         chunks,
@@ -440,7 +439,6 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         probe_key=key,
         audit_dir=run_dir / AUDIT_DIR,
         audited_batches=opts.audited_batches,
-        stream_bytes=int(data.split("train").get("utf8_bytes") or 0) or None,
     )
     try:
         sandbox = _sandbox(opts, run_dir, artifacts, data.root, bundle, device)
@@ -551,9 +549,10 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                         artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout,
                         audited_batches=opts.audited_batches)
                 heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
-                                                  context_values(config, opts.nproc))
+                                                  context_values(config, opts.nproc), key=key)
                 verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
-                                        heldout_error=heldout_error, policy=opts.policy)
+                                        heldout_error=heldout_error, policy=opts.policy,
+                                        stop_reason=result.stop_reason)
                 if heldout_error is not None and heldout_error.startswith("contract:"):
                     # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                     verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
@@ -591,6 +590,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     manifest["audit"] = audit.to_dict() if audit is not None else None
+    manifest["run_secret"] = key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
     with control.stage("manifest", check=False):
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
@@ -746,18 +746,14 @@ def _signal_of(returncode: int | None) -> int | None:
     return sig if sig in EXTERNAL_SIGNALS else None
 
 
-def _probe_key(data_root: Path, bundle: Bundle, seed: int) -> bytes:
-    """The key of the causality-probe schedule: HMAC-SHA256 of the data directory's secret salt
-    (hidden from the sandbox; the manifest's path when there is none) over the bundle's sha256
-    and the seed. The same bundle probes the same batches on every run (a loop that notices
-    probes cannot make its score vary); any edit to the bundle draws a new schedule, so one
-    run's schedule teaches nothing about the next submission's."""
-    salt_path = default_salt_path(data_root)
-    try:
-        secret = salt_path.read_bytes()
-    except OSError:
-        secret = str(data_root).encode()
-    return hmac.new(secret, f"probe:{bundle.sha256}:{seed}".encode(), hashlib.sha256).digest()
+def run_secret(opts: EvalOptions) -> bytes:
+    """The run's secret (32 bytes): ``opts.run_secret`` when given (to repeat a run whose
+    manifest revealed it), else fresh from :func:`secrets.token_bytes`. Nothing else: no data
+    directory, salt, path or bundle hash enters it, so no one can compute it before the run.
+    It keys the causality probes, the audit schedule and the blind probes; it stays in this
+    process (never in a configuration, environment or file the sandbox can read) until the
+    manifest reveals it once the run has ended."""
+    return opts.run_secret if opts.run_secret is not None else secrets.token_bytes(32)
 
 
 def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> dict[str, Any]:
@@ -778,9 +774,11 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
 
 def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, device: str,
              result: FeederResult, state_path: Path | None,
-             context: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+             context: dict[str, Any] | None = None,
+             key: bytes | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """The held-out figures, or why there are none. ``context``: the run's context values
-    (the children see them, and the artifacts folder empty)."""
+    (the children see them, and the artifacts folder empty); ``key``: the run's secret (the
+    blind probe's draws; it stays in this process)."""
     if opts.heldout_bytes <= 0:
         return None, "disabled (--heldout-bytes 0)"
     if "val" not in (data.data.get("splits") or {}):
@@ -801,9 +799,9 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
         config["context"] = context
     try:
         if context is None:
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
         with empty_artifacts(Path(str(context["artifacts_dir"]))):
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail), None
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 

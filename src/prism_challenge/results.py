@@ -367,13 +367,25 @@ class AuditBatch(_Model):
     match: bool
 
 
+class AuditSchedule(_Model):
+    """How the audited batches were drawn (:mod:`prism_challenge.evaluator.auditplan`): rule
+    ``harmonic``: batch 0, then batch ``k`` with probability ``min(1, A / k)``, keyed on the
+    manifest's ``run_secret``; ``audited_batches`` is ``A``."""
+
+    rule: Literal["harmonic"]
+    audited_batches: Count
+
+
 class Audit(_Model):
     """The audit (:mod:`prism_challenge.rescore`): audited batches re-scored from their weight
-    snapshots in fresh processes, and their blind probes. ``passed`` false zeroes the run."""
+    snapshots in fresh processes, and their blind probes. ``passed`` false zeroes the run.
+    ``schedule``: absent in manifests before issue 25, which hold instead the budget-derived
+    ``rate`` and ``expected_batches`` (both absent or ``null`` since)."""
 
     audited_batches_target: Count
-    rate: float | None
-    expected_batches: Count | None
+    schedule: AuditSchedule | None = None
+    rate: float | None = None
+    expected_batches: Count | None = None
     rtol: float
     shape: list[Count] | None
     context: dict[str, int | str | None]
@@ -419,6 +431,7 @@ class RunManifest(_Model):
     isolation: Isolation | None = None
     verdict: Verdict | None = None
     audit: Audit | None = None
+    run_secret: Sha256 | None = None  # the run's secret (hex), revealed at the end; absent before issue 25
 
     @model_validator(mode="after")
     def _consistent(self) -> RunManifest:

@@ -294,7 +294,8 @@ class Verdict:
         memorization_penalty: the policy's penalty when flagged, else 1.0 (1.0 without held-out).
         final_score: ``anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``.
         flags: short names of everything flagged (``"anomaly"``, ``"memorization"``,
-            ``"heldout_unavailable"``).
+            ``"heldout_unavailable"``, ``"loop_stopped"``: the loop ended before its budget,
+            no figure changed).
     """
 
     prequential_bpb: float
@@ -338,6 +339,7 @@ def build_verdict(
     *,
     heldout_error: str | None = None,
     policy: Policy = Policy(),
+    stop_reason: str | None = None,
 ) -> Verdict:
     """Assemble the verdict of a scored run (for the manifest and the console summary).
 
@@ -350,6 +352,10 @@ def build_verdict(
         heldout: the output of :func:`prism_challenge.heldout.run_heldout`, or ``None``.
         heldout_error: the reason the held-out evaluation is missing (flag
             ``heldout_unavailable``; the memorization penalty is then 1.0: no evidence).
+        stop_reason: the stream's ``stop_reason``; ``loop_stopped`` (the loop ended before its
+            budget) adds the flag ``loop_stopped`` and changes no figure: the audit's bound holds
+            at any stop (:mod:`~prism_challenge.evaluator.auditplan`), and how a ranking treats
+            a short run is the ranking's decision.
 
     Raises:
         VerdictError: no bytes scored or no steps (the run must fail instead of scoring).
@@ -390,6 +396,8 @@ def build_verdict(
     else:
         flags.append("heldout_unavailable")
         heldout_error = heldout_error or "the held-out evaluation did not run"
+    if stop_reason == "loop_stopped":
+        flags.append("loop_stopped")
     return Verdict(
         prequential_bpb=prequential_bpb,
         tail_bpb=tail,

@@ -9,38 +9,64 @@ that answer; for an audited batch it sends it: the weights that scored the batch
 the forward could have stored in them from the batch itself. After the stream, fresh sandboxed processes rebuild the
 model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
 
-**Schedule.** Batch 0 is always audited; every later batch ``k`` is audited when
-``u_k < rate``, with ``u_k = HMAC-SHA256(key, "audit:k")`` read as a number in ``[0, 1)`` (the
-key is the run's secret probe key, never shown to the sandbox). The rate is fixed once, when the
-first batch is cut, from the number of batches the budgets let the stream have
-(:func:`expected_batches`): ``rate = min(1, (A - 1) / (N - 1))`` for ``A =``
-:data:`AUDITED_BATCHES`, so a run of ``N`` batches audits ``A`` of them on average (``1 +
-Binomial(N - 1, rate)``: about ``A +- sqrt(A)``). The stream runs on at the same rate past the
-estimate; a stream cut short (a wall-clock budget) audits fewer. Each batch is drawn on its own,
-not ``A`` batches without replacement: the rank learns whether a batch was audited from the
-answer to its record (it must send that batch's snapshot), so with a fixed count it would know
-when the audits were spent and cheat on the rest of the stream; independent draws tell it
-nothing about the batches to come.
+**Schedule: harmonic, keyed on the run's secret.** Batch 0 is always audited; every later
+batch ``k`` is audited when ``u_k < r_k``, ``r_k = min(1, A / k)`` (:func:`rate_at`), with ``u_k
+= HMAC-SHA256(key, "audit:k")`` read as a number in ``[0, 1)`` (:func:`audit_draw`). The key is
+the run's secret (:func:`prism_challenge.pipeline.run_secret`): 32 bytes from :mod:`secrets`,
+drawn after intake, never shown to the sandbox, revealed in the manifest (``run_secret``) once
+the run has ended, so anyone can re-derive the draws (:func:`drawn_steps`) and nobody can
+compute them before. The rate depends on the step alone, never on a budget: the audits follow
+the stream's real length, whether the loop runs to its budget or stops at batch 40. The manifest
+records it as ``audit.schedule = {"rule": "harmonic", "audited_batches": A}``.
 
-**Why A.** A cheat active on a fraction ``f`` of the batches escapes when no audited batch is one
-of them: drawn independently at the rate, ``P(escape) = (1 - rate)^(f (N - 1)) <= exp(-f (A -
-1))`` (:func:`catch_probability` gives the bound's complement); batch 0 is audited besides, so
-a cheat active from the first batch is always caught. ``A`` is the largest count that keeps the audit
-within issue 15's cost goal, at most 10 % of the run at 200k tokens of the example on 2 CPU cores
-(``bench/audit_cost.py`` prints the measured share). The audit costs about ``s = 5`` s whatever
-``A`` (the first child's start, which only the tokenizing of the probes' text overlaps; each
-child's reading of its snapshots; the inputs written for ``prism verify``) plus per audited batch
-``c = 0.35 + 0.3 p`` s (a build, load, forward and scoring in the re-scoring child, one forward
-per blind pass ``p`` in the blind child), against about 210 s for the unaudited run (197
-batches): ``(s + A c) / (210 + s + A c) <= 0.10`` gives ``A <= 16`` at ``p = 2`` and ``A <= 23``
-at ``p = 1``. A state switch active on a tenth of the batches gains more than a peek at one
-position in 64 and is caught only by the re-scoring, so the budget goes to ``A``:
-:data:`~prism_challenge.rescore.BLIND_PASSES` ``= 1`` and ``A = 20`` (measured: 8 % of the run;
-one standard deviation of the count, ``sqrt(A)``, is about 1.3 % of the run).
-At ``A = 20``: ``f = 1/2`` is caught with probability at least 0.99993, ``f = 1/4`` with 0.991,
-``f = 1/10`` with 0.85; a cheat that gains on a tenth of the batches gains a tenth as
-much. The blind probes look at ``B`` positions per audited batch, ``B A`` in all: a peek at one
-position in 6 escapes them with probability ``(5/6)^(4 * 20) = 5e-7`` at ``B = 4``.
+**The bound.** Let the loop stop after ``n`` batches (any ``n``, chosen by the loop) and cheat
+on a set ``S`` of ``f n`` of them. It escapes when no batch of ``S`` is audited:
+``P(escape) = prod_{k in S} (1 - r_k) <= exp(-sum_{k in S} r_k)`` (``1 - x <= e^-x``). The rates
+decrease with ``k``, so the sum is smallest, and the escape likeliest, for the last ``f n``
+batches, ``k = n - f n, ..., n - 1``; there ``sum A / k >= A * integral_{n - fn}^{n} dx / x =
+A ln(n / (n - f n))`` (``1/k >= integral_k^{k+1} dx / x``; a rate capped at 1 only makes the
+escape impossible), so ``P(escape) <= exp(-A ln(1 / (1 - f))) = (1 - f)^A`` (:func:`escape_bound`),
+the same ``A`` at 10 batches as at 50,000. **Against an adaptive loop.** The loop chooses, batch
+by batch, whether to cheat and whether to stop, from everything it saw: the batches, the
+answers to its earlier records. The draw ``u_k`` is a keyed function of ``k`` under a secret the
+loop never sees, so given everything before batch ``k`` it is still uniform and independent of
+the loop's choice at ``k`` (it learns ``u_k < r_k`` only after batch ``k``'s record has left).
+Write ``C_k`` for "the loop cheats at ``k``": ``M_j = prod_{k < j, C_k} (1 - r_k)^{-1} * 1[no
+cheat before j audited]`` is a martingale with ``M_0 = 1``, so at the (random) stop ``n``,
+``E[1[escape] / prod_{k in S}(1 - r_k)] = 1``; every stop and every set with ``|S| >= f n``
+has ``prod_{k in S}(1 - r_k) <= (1 - f)^A`` by the paragraph above, hence ``P(escape) <= (1 -
+f)^A`` for any adaptive strategy.
+
+**Cost.** The expected audits of a stream of ``n`` batches are ``E(n) = 1 + sum_{k=1}^{n-1}
+min(1, A / k) ~ A (1 + ln(n / A))`` (:func:`expected_audits`): at the example's 197 batches and
+``A = 4``, ``E = 20.1``. The audit costs about ``s = 5`` s whatever ``A`` (the first child's start,
+which only the tokenizing of the probes' text overlaps; each child's reading of its snapshots;
+the inputs written for ``prism verify``) plus per audited batch ``c = 0.35 + 0.3 p`` s (a build,
+load, forward and scoring in the re-scoring child, one forward per blind pass ``p`` in the
+blind child: :data:`~prism_challenge.rescore.BLIND_PASSES` ``= 1``), against about 210 s for
+the unaudited run (200k tokens of ``examples/tiny-1m`` on 2 CPU cores, 197 batches). Share
+``(s + E c) / (210 + s + E c)``: ``A = 3``: ``E = 16.1``, 6.9 %; ``A = 4``: 20.1, 7.9 %; ``A =
+5``: 23.9, 8.9 %; ``A = 6``: 27.5, 9.8 %; ``A = 8``: 34.1, 11.5 %; ``A = 12``: 46.1, 14.3 %.
+The goal (issue 25) is at most 10 %; the count varies from run to run (standard deviation about
+``sqrt(sum r_k (1 - r_k))``, 3.4 batches at ``A = 4``: 1 % of the run), so :data:`AUDITED_BATCHES`
+is the largest ``A`` whose predicted share stays under 8.5 %: ``A = 4`` (``bench/audit_cost.py``
+prints the schedule, the expected and actual count and the measured share; measured at 200k
+tokens: audit 9.2 s of a 115.5 s run, 7.9 %, 19 of 197 batches audited). At ``A = 4`` a cheat on
+``f = 1/2`` of the batches it took escapes with probability at most ``0.0625``, ``f = 1/4``:
+``0.316``, ``f = 1/10``: ``0.656``, at every length; a cheat active at batch 0 is always caught;
+the blind probes look at ``B`` positions per audited batch besides.
+
+**Why not a fixed count, why not a reservoir.** A fixed count ``A`` drawn once for the budget's
+length (the schedule before issue 25: ``rate = (A - 1) / (N - 1)``) lets a loop that stops at
+batch 40 of 646 face 2 to 4 audits; it escaped a third of the time. Drawn without replacement,
+the rank would also know when the audits were spent (it must send each audited batch's
+snapshot, so it learns which were drawn) and cheat on the rest. A reservoir (keep a uniform
+sample of ``A`` snapshots, chosen at the end) needs every batch's snapshot to stay
+replaceable: rank 0 would have to send, or be told to send, snapshots it may later drop, and
+the answer it gets tells it which batches are still in the reservoir; and with adaptive
+stopping the reservoir's sample is uniform only over the batches the loop chose to take, which
+the loop can time against what it learned. Independent keyed draws at a rate that decays as
+``A / k`` tell the rank nothing about the batches to come, and cost ``O(A log n)``.
 """
 
 from __future__ import annotations
@@ -49,8 +75,13 @@ import hashlib
 import hmac
 import math
 
-AUDITED_BATCHES = 20
-"""``A``: the audited batches of a run, on average (batch 0 among them)."""
+AUDITED_BATCHES = 4
+"""``A`` of the harmonic schedule: batch ``k >= 1`` is audited with probability ``min(1, A / k)``;
+a cheat on a fraction ``f`` of the batches taken escapes with probability at most ``(1 - f)^A``
+(the module docstring derives ``A = 4`` from the cost goal)."""
+
+SCHEDULE_RULE = "harmonic"
+"""The manifest's ``audit.schedule.rule``: :func:`rate_at`'s schedule."""
 
 RESCORE_RTOL: dict[str, float] = {"cpu": 1e-6, "cuda": 1e-5}
 """The re-scoring's tolerance by device type, relative, on a batch's total nats: a record passes
@@ -94,41 +125,30 @@ def drawn_steps(key: bytes, batches: int, audited: int = AUDITED_BATCHES) -> lis
     return [k for k in range(max(0, batches)) if is_audited(key, k, audited)]
 
 
-def audit_rate(expected: int | None, audited: int = AUDITED_BATCHES) -> float:
-    """The share of batches after the first that are audited: ``min(1, (A - 1) / (N - 1))`` for
-    ``N = expected`` batches; 1.0 when ``N`` is unknown (``None``) or at most 1."""
-    if expected is None or expected <= 1:
-        return 1.0
-    return min(1.0, max(0, audited - 1) / (expected - 1))
+def expected_audits(batches: int, audited: int = AUDITED_BATCHES) -> float:
+    """``E(n) = sum_{k < n} rate_at(k, A)``: the expected audited batches of a stream of ``n =
+    batches`` batches (``1 + sum_{k=1}^{n-1} min(1, A / k) ~ A (1 + ln(n / A))``; 0 for ``n <= 0``)."""
+    return math.fsum(rate_at(k, audited) for k in range(max(0, batches)))
 
 
-def expected_batches(*, rows_per_step: int, seq_len: int, step_budget: int | None, token_budget: int | None,
-                     byte_budget: int | None, first_step_bytes: int, stream_bytes: int | None) -> int | None:
-    """How many batches the stream can have, from the budgets (the smallest bound; ``None``: none).
+def escape_bound(f: float, audited: int = AUDITED_BATCHES) -> float:
+    """``(1 - f)^A``: the most probable escape, at any stop ``n``, of a cheat on a fraction ``f``
+    (``0 <= f <= 1``) of the ``n`` batches the loop took (the module docstring's bound, also
+    against an adaptive loop).
 
-    ``token_budget`` stream tokens make ``ceil((budget - 1) / (rows * (T - 1)))`` batches (rows
-    overlap by one token); ``byte_budget`` and ``stream_bytes`` (the train split's UTF-8 bytes)
-    are divided by the target bytes of the first batch (an estimate: text density varies).
+    Raises:
+        ValueError: ``f`` outside ``[0, 1]``.
     """
-    bounds = []
-    if step_budget is not None:
-        bounds.append(step_budget)
-    per_step = rows_per_step * (seq_len - 1)
-    if token_budget is not None and per_step > 0:
-        bounds.append(math.ceil(max(token_budget - 1, 1) / per_step))
-    for total in (byte_budget, stream_bytes):
-        if total is not None and first_step_bytes > 0:
-            bounds.append(math.ceil(total / first_step_bytes))
-    return max(1, min(bounds)) if bounds else None
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"f = {f}: the cheating fraction must be in [0, 1]")
+    return (1.0 - f) ** max(0, audited)
 
 
 def catch_probability(f: float, audited: int = AUDITED_BATCHES) -> float:
-    """``1 - exp(-f (A - 1))``: a lower bound, for every stream length ``N``, on the chance that
-    the batches audited after the first include one of a cheat active on a fraction ``f`` of
-    them: each is drawn at ``rate = (A - 1) / (N - 1)``, so the escape is ``(1 - rate)^(f (N -
-    1)) <= exp(-rate f (N - 1)) = exp(-f (A - 1))`` (``ln(1 - x) <= -x``), the limit of large
-    ``N``; a cheat active at batch 0 is always caught."""
-    return 1.0 - math.exp(-f * max(0, audited - 1))
+    """``1 - (1 - f)^A``: a lower bound, at every stream length and stop, on the chance that the
+    audited batches include one of a cheat active on a fraction ``f`` of the batches taken
+    (:func:`escape_bound`'s complement)."""
+    return 1.0 - escape_bound(f, audited)
 
 
 def within(recorded: float | None, rescored: float | None, device: str) -> bool:

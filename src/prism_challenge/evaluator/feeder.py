@@ -25,7 +25,6 @@ import hmac
 import math
 import os
 import queue
-import random
 import secrets
 import socket
 import threading
@@ -39,7 +38,7 @@ import numpy as np
 
 from prism_challenge.data.stream import TokenChunk
 from prism_challenge.evaluator import protocol
-from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, audit_draw, audit_rate, expected_batches
+from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, is_audited
 from prism_challenge.evaluator.instrument import charge
 from prism_challenge.evaluator.protocol import Kind, ProtocolError
 from prism_challenge.evaluator.snapshots import AuditedStep, SnapshotStore
@@ -230,8 +229,6 @@ class FeederResult:
     state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)
     shape: tuple[int, int] | None = None  # (batch_size, seq_len) the loop asked for
     audits: dict[int, AuditedStep] = field(default_factory=dict)  # the audited steps (auditplan)
-    audit_rate: float | None = None  # the share of batches after the first that are audited
-    audit_expected_batches: int | None = None  # the stream's length the rate was set for
 
 
 class FeederFailure(RuntimeError):
@@ -258,15 +255,15 @@ class Feeder:
         wall_clock_budget: seconds after :meth:`release` after which no new step is served.
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
-        probe_key: secret bytes that fix which batches are probed for causality and how
-            (HMAC-SHA256 of the key and the step, the same on every rank): the same run probes the same batches, so a
-            loop that notices probes cannot make its score vary between runs; ``None``: the
-            operating system's random source. It also keys the audit schedule
-            (:mod:`~prism_challenge.evaluator.auditplan`; ``None``: a random key).
+        probe_key: the run's secret (:func:`prism_challenge.pipeline.run_secret`), which fixes
+            which batches are probed for causality and how (HMAC-SHA256 of the key and the step,
+            the same on every rank) and which are audited (the harmonic schedule,
+            :func:`~prism_challenge.evaluator.auditplan.is_audited`); ``None``: a fresh key from
+            :func:`secrets.token_bytes` (never anything guessable). Never sent to the ranks.
         audit_dir: where rank 0's snapshots of the audited batches are written (``None``: no
             batch is audited).
-        audited_batches: ``A``, the audited batches on average.
-        stream_bytes: the train split's UTF-8 bytes (bounds the stream's length for the rate).
+        audited_batches: ``A`` of the harmonic schedule (batch 0, then batch ``k`` with
+            probability ``min(1, A / k)``).
     """
 
     def __init__(
@@ -286,7 +283,6 @@ class Feeder:
         probe_key: bytes | None = None,
         audit_dir: os.PathLike[str] | str | None = None,
         audited_batches: int = AUDITED_BATCHES,
-        stream_bytes: int | None = None,
     ):
         self.socket_path = socket_path
         self.token = secrets.token_hex(16)
@@ -313,14 +309,9 @@ class Feeder:
         self._shape: tuple[int, int] | None = None
         self.failed = threading.Event()
         self.wake = threading.Event()  # set on a failure, a DONE or a closed connection: the parent looks now
-        self._rng = random.SystemRandom()
-        self._probe_key = probe_key
-        self._audit_key = probe_key if probe_key is not None else secrets.token_bytes(32)
+        self._probe_key = probe_key if probe_key is not None else secrets.token_bytes(32)
         self.audit_dir = None if audit_dir is None or audited_batches <= 0 else audit_dir
         self.audited_batches = audited_batches
-        self.stream_bytes = stream_bytes
-        self._token_budget = token_budget
-        self._draws: dict[int, tuple[list[float], int]] = {}  # unkeyed: step -> (draw, ranks that took it)
         self._max_seq_len = int(config.get("sequence_length") or 1 << 30)
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
@@ -567,24 +558,16 @@ class Feeder:
         """Whether to probe this step's batches for causality, and how: ``[k, shift, row]`` or ``None``.
 
         The first ``PROBE_FIRST`` steps and a ``PROBE_RATE`` share of the others, drawn from
-        ``HMAC-SHA256(probe_key, "step")`` (a secret the submission never sees) or, without a
-        key, from the operating system's random source once per step. The draw depends on the
-        step alone, never on the rank: every rank probes the same steps (so each runs the same
-        number of forwards, and a collective inside ``forward`` stays matched), with the same
-        ``k`` and ``shift``; ``row`` is the same fraction of each rank's ``rows``.
+        ``HMAC-SHA256(probe_key, "step")`` (the run's secret, which the submission never sees).
+        The draw depends on the step alone, never on the rank: every rank probes the same steps
+        (so each runs the same number of forwards, and a collective inside ``forward`` stays
+        matched), with the same ``k`` and ``shift``; ``row`` is the same fraction of each rank's
+        ``rows``.
         """
         if seq_len < 2:
             return None
-        if self._probe_key is not None:
-            digest = hmac.new(self._probe_key, f"{step}".encode(), hashlib.sha256).digest()
-            draw = [int.from_bytes(digest[i : i + 8], "big") / 2.0**64 for i in range(0, 32, 8)]
-        else:  # one draw per step, kept until every rank has taken it
-            with self._lock:
-                draw, taken = self._draws.get(step) or ([self._rng.random() for _ in range(4)], 0)
-                if taken + 1 >= self.world_size:
-                    self._draws.pop(step, None)
-                else:
-                    self._draws[step] = (draw, taken + 1)
+        digest = hmac.new(self._probe_key, f"{step}".encode(), hashlib.sha256).digest()
+        draw = [int.from_bytes(digest[i : i + 8], "big") / 2.0**64 for i in range(0, 32, 8)]
         if not (step < PROBE_FIRST or draw[0] < PROBE_RATE):
             return None
         return [1 + int(draw[1] * (seq_len - 1)), 1 + int(draw[2] * (self.vocab_size - 1)), int(draw[3] * rows)]
@@ -632,21 +615,14 @@ class Feeder:
             return None
         self._consumed[step] = self.assembler.tokens_consumed
         self._bytes_cut += int(cut.target_bytes.sum())
-        if step == 0 and self.audit_dir is not None:
-            r.audit_expected_batches = expected_batches(
-                rows_per_step=n * b, seq_len=t, step_budget=self.step_budget, token_budget=self._token_budget,
-                byte_budget=self.byte_budget, first_step_bytes=int(cut.target_bytes.sum()),
-                stream_bytes=self.stream_bytes)
-            r.audit_rate = audit_rate(r.audit_expected_batches, self.audited_batches)
         return cut
 
     def _audited(self, step: int) -> bool:
-        """Whether ``step`` is audited (:mod:`~prism_challenge.evaluator.auditplan`): step 0 always,
-        later steps when their keyed draw is below the rate set at step 0."""
-        rate = self.result.audit_rate
-        if self.audit_dir is None or rate is None:
-            return False
-        return step == 0 or audit_draw(self._audit_key, step) < rate
+        """Whether ``step`` is audited: the harmonic schedule keyed on the run's secret
+        (:func:`~prism_challenge.evaluator.auditplan.is_audited`: step 0 always, step ``k`` with
+        probability ``min(1, A / k)``), whatever the budgets: the audits follow the stream's
+        real length."""
+        return self.audit_dir is not None and is_audited(self._probe_key, step, self.audited_batches)
 
     def _on_record(self, st: RankState, header: dict[str, Any]) -> None:
         pending = st.pending
@@ -852,8 +828,13 @@ class Feeder:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def finish(self) -> FeederResult:
-        """Close and return the result; steps some ranks did not report are dropped."""
+        """Close and return the result; steps some ranks did not report are dropped, and so are
+        their audits (the audited steps are then exactly the drawn steps among the scored ones:
+        ``auditplan.drawn_steps(key, len(steps), A)``)."""
         self.close()
         with self._lock:
             self.result.steps.sort(key=lambda s: s.step)
+            scored = {s.step for s in self.result.steps}
+            for step in [k for k in self.result.audits if k not in scored]:
+                del self.result.audits[step]
             return self.result
