@@ -249,7 +249,7 @@ def service_key(url: str, timeout_s: float = 10.0) -> str:
 def _say(stage: str, text: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True, highlight=False).print(f"[bold]{stage:<12}[/bold] {text}")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold]{stage:<12}[/bold] {text}")
 
 
 Say = Callable[[str, str], None]
