@@ -225,7 +225,7 @@ def check_certificate(manifest: dict[str, Any], trusted: list[str] | None) -> st
     """
     cert = manifest.get(FIELD)
     if not isinstance(cert, dict):
-        raise CertificateError("the manifest is unsigned (no certificate)")
+        raise CertificateError("certificate: the manifest is unsigned (no certificate)")
     if cert.get("alg") != ALG or cert.get("canonicalization") != CANONICALIZATION:
         raise CertificateError(f"certificate: alg {cert.get('alg')!r} and canonicalization "
                                f"{cert.get('canonicalization')!r}; expected {ALG!r} and {CANONICALIZATION!r}")

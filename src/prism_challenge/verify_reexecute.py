@@ -95,6 +95,10 @@ def compare(m: dict[str, Any], again: dict[str, Any]) -> str:
     if again["model"]["state_sha256"] != m["model"]["state_sha256"]:
         raise Mismatch(f"re-execution: the trained state hashes to {again['model']['state_sha256']}, the run's to "
                        f"{m['model']['state_sha256']}")
+    ha, hb = (m.get("verdict") or {}).get("heldout"), (again.get("verdict") or {}).get("heldout")
+    if ha and hb and ha.get("val_bpb_trained") != hb.get("val_bpb_trained"):
+        raise Mismatch(f"re-execution: verdict.heldout.val_bpb_trained is {hb.get('val_bpb_trained')!r}, the run's "
+                       f"{ha.get('val_bpb_trained')!r}")
     return (f"{n} batches equal bit for bit, {again['score']['prequential_bpb']:.6f} bpb, state "
             f"{(m['model']['state_sha256'] or '')[:12]}")
 
