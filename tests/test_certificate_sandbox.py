@@ -76,3 +76,7 @@ def test_a_failed_runs_manifest_is_signed_too(tmp_path):
     assert o.failure is not None and o.failure.stage == "contract"
     m = json.loads((o.run_dir / MANIFEST_NAME).read_text())
     assert m["status"] == "failed" and check_certificate(m, None) == m["certificate"]["key_id"]
+    from prism_challenge.results import RunManifest
+
+    # the typed model's JSON (what the service stores and the API returns) keeps the signature
+    assert check_certificate(RunManifest.model_validate(m).to_json_dict(), None) == m["certificate"]["key_id"]

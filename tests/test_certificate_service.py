@@ -59,3 +59,26 @@ def test_a_named_key_that_others_can_read_is_refused(tmp_path, monkeypatch):
     import os
 
     assert os.environ[SIGNING_KEY_ENV] == str(key.resolve())  # the workers this process starts use it
+
+
+def test_verify_trusts_the_key_the_service_publishes(tmp_path, monkeypatch):
+    from service_live import live_server
+
+    from prism_challenge.certificate import check_certificate, public_key_text, sign_manifest
+    from prism_challenge.verify import service_key
+
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    key = tmp_path / "operator.pem"
+    operator = Ed25519PrivateKey.generate()
+    key.write_bytes(operator.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key.chmod(0o600)
+    with live_server(tmp_path, signing_key_file=key) as (base, _):
+        published = service_key(base)
+    assert published == public_key_text(operator)
+    m = sign_manifest({"schema": "prism.run.v2", "score": {"prequential_bpb": 1.5}}, operator)
+    assert check_certificate(m, [published]) == m["certificate"]["key_id"]
+    with pytest.raises(CertificateError, match="untrusted key"):
+        check_certificate(m, None)  # the user's own key is not the service's
+    with pytest.raises(ValueError, match=r"--service http://127.0.0.1:9: cannot read its /version"):
+        service_key("http://127.0.0.1:9", timeout_s=2)

@@ -624,8 +624,16 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
 
 
 def _signed(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
-    """The manifest with its certificate (:func:`~prism_challenge.certificate.sign_manifest`);
-    unsigned when it has no canonical form (a non-finite figure: ``prism verify`` then refuses it)."""
+    """The manifest in the typed model's JSON form (what the service stores and the API returns:
+    it round-trips, so the signature holds there too) with its certificate
+    (:func:`~prism_challenge.certificate.sign_manifest`); unsigned when it has no canonical form
+    (a non-finite figure: ``prism verify`` then refuses it)."""
+    from prism_challenge.results import RunManifest
+
+    try:
+        manifest = RunManifest.model_validate(manifest).to_json_dict()
+    except ValueError:  # a manifest the model refuses is written as it is (the tests catch that bug)
+        pass
     try:
         return sign_manifest(manifest, key)
     except CertificateError:
