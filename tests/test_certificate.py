@@ -177,3 +177,11 @@ def test_the_key_is_hidden_from_every_jailed_process(tmp_path):
     assert _key_paths(given) == [tmp_path / "k.pem"]
     assert _key_paths(EvalOptions(bundle="b")) == [user_key_path().parent, user_key_path()]
     assert _hidden(tmp_path / "data", tmp_path / "run", _key_paths(given))[-1] == tmp_path / "k.pem"
+
+
+def test_verifying_never_makes_a_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "fresh"))
+    signed = sign_manifest(MANIFEST, Ed25519PrivateKey.generate())
+    with pytest.raises(CertificateError, match="untrusted key .* \\(trusted: none: you have no key yet; pass --key"):
+        check_certificate(signed, None)
+    assert not (tmp_path / "fresh").exists()

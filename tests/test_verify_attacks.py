@@ -233,3 +233,8 @@ def test_reexecution_repeats_the_run_bit_for_bit_twice(honest, capsys):
           f"{m['score']['prequential_bpb']!r}")
     assert runs[0]["prequential_bpb"] == runs[1]["prequential_bpb"] == m["score"]["prequential_bpb"]
     assert runs[0]["state_sha256"] == runs[1]["state_sha256"] == m["model"]["state_sha256"]
+
+
+def test_a_key_that_cannot_be_read_is_a_usage_error(honest, capsys):
+    assert prism(["verify", str(honest), "--key", "nonsense"]) == 2
+    assert "prism verify: --key nonsense: neither a key file nor the base64" in capsys.readouterr().err

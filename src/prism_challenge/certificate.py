@@ -210,11 +210,24 @@ def parse_public_key(text: str) -> bytes:
     return raw
 
 
+def trusted_keys(trusted: list[str] | None) -> list[bytes]:
+    """The raw public keys of ``trusted`` (:func:`parse_public_key`), or for ``None`` the user's
+    own (:func:`user_key_path`; none when it does not exist: verifying never creates a key).
+
+    Raises:
+        CertificateError: a key that cannot be read.
+    """
+    if trusted is not None:
+        return [parse_public_key(t) for t in trusted]
+    path = user_key_path()
+    return [_raw_public(load_private_key(path).public_key())] if path.exists() else []
+
+
 def check_certificate(manifest: dict[str, Any], trusted: list[str] | None) -> str:
     """Check ``manifest``'s certificate; returns its key id.
 
     ``trusted``: the public keys to trust (base64 of the raw key, or PEM files, see
-    :func:`parse_public_key`); ``None``: the user's own key (:func:`user_key`), the key of
+    :func:`parse_public_key`); ``None``: the user's own key (:func:`trusted_keys`), the key of
     ``prism eval`` runs.
 
     Raises:
@@ -239,9 +252,9 @@ def check_certificate(manifest: dict[str, Any], trusted: list[str] | None) -> st
         raise CertificateError(f"certificate (key {kid}): a 32-byte public key and a 64-byte signature expected")
     if cert.get("key_id") != kid:
         raise CertificateError(f"certificate: key_id {cert.get('key_id')!r} is not its public key's ({kid})")
-    keys = [_raw_public(user_key()[0].public_key())] if trusted is None else [parse_public_key(t) for t in trusted]
+    keys = trusted_keys(trusted)
     if raw not in keys:
-        names = ", ".join(key_id(k) for k in keys) or "none"
+        names = ", ".join(key_id(k) for k in keys) or "none: you have no key yet; pass --key or --service"
         raise CertificateError(f"certificate: signed by an untrusted key {kid} (trusted: {names})")
     try:
         Ed25519PublicKey.from_public_bytes(raw).verify(signature, canonical(manifest))

@@ -273,7 +273,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
             cannot be read, or the re-execution cannot be made here (another device kind).
     """
     from prism_challenge import verify_recompute as rc
-    from prism_challenge.certificate import CertificateError, check_certificate
+    from prism_challenge.certificate import CertificateError, check_certificate, trusted_keys
     from prism_challenge.rescore import AuditError
 
     say = say or _say
@@ -287,6 +287,10 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
         t = time.monotonic()
 
     m = read_manifest(run_dir)
+    try:
+        trusted_keys(keys)  # a key that cannot be read is the caller's error (exit 2), not a mismatch
+    except CertificateError as exc:
+        raise ValueError(str(exc)) from None
     if reexecute:  # before anything long: a re-execution this machine cannot make is refused first
         from prism_challenge.verify_reexecute import device_of
 
@@ -294,8 +298,6 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     try:
         kid = check_certificate(m, keys)
     except CertificateError as exc:
-        if "cannot read" in str(exc) or str(exc).startswith("--key"):
-            raise ValueError(str(exc)) from None
         raise Mismatch(str(exc)) from None
     done("certificate", f"signed by trusted key {kid}")
     copy = _check_bundle(run_dir, m)
