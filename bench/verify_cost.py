@@ -30,7 +30,7 @@ def prism(*args: str, env: dict[str, str]) -> tuple[float, dict]:
     p = subprocess.run([sys.executable, "-m", "prism_challenge.cli", *args], capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     try:
-        return wall, json.loads(p.stdout.strip().splitlines()[-1])
+        return wall, json.loads(p.stdout)
     except (ValueError, IndexError):
         sys.exit(f"prism {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
 
@@ -42,7 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="prism-verify-cost-") as tmp:
         env = {**os.environ, "XDG_CONFIG_HOME": str(Path(tmp) / "config"),
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)}
         run = Path(tmp) / "run"
         t_run, summary = prism("eval", str(ROOT / "examples" / "tiny-1m"), "--out", str(run), "--device", "cpu",
                                "--threads", "1", "--token-budget", str(args.tokens), "--isolation", args.isolation,

@@ -295,6 +295,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
         from prism_challenge.verify_reexecute import device_of
 
         device_of(m)
+        t = time.monotonic()
     try:
         kid = check_certificate(m, keys)
     except CertificateError as exc:
