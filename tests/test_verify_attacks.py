@@ -114,6 +114,7 @@ def test_the_honest_run_verifies_with_its_draws_and_signature(honest, capsys):
     code, out = verify_json(honest, capsys=capsys)
     assert code == 0 and out["verified"], out
     assert out["draws_checked"] and out["audited_batches"] == len(m["audit"]["batches"])
+    assert out["probes_redrawn"] == len(m["audit"]["batches"])  # one blind pass per audited batch, one rank
     assert out["key_id"] == m["certificate"]["key_id"] and out["prequential_bpb"] == pytest.approx(
         m["score"]["prequential_bpb"], rel=1e-12)
     steps = [b["step"] for b in m["audit"]["batches"]]
@@ -238,3 +239,34 @@ def test_reexecution_repeats_the_run_bit_for_bit_twice(honest, capsys):
 def test_a_key_that_cannot_be_read_is_a_usage_error(honest, capsys):
     assert prism(["verify", str(honest), "--key", "nonsense"]) == 2
     assert "prism verify: --key nonsense: neither a key file nor the base64" in capsys.readouterr().err
+
+
+def test_a_stored_blind_probe_the_secret_does_not_draw_is_caught(honest, tmp_path, capsys):
+    import numpy as np
+
+    run_dir = copy_run(honest, tmp_path)
+    step = read(run_dir)["audit"]["batches"][1]["step"]
+    npz = run_dir / "model" / "audit" / f"step-{step:06d}.npz"
+    with np.load(npz) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["picks_0_0"][0, 1] = arrays["picks_0_0"][0, 1] % 60 + 1  # another position, as a loop would like
+    npz.chmod(0o644)
+    np.savez(npz, **arrays)
+    code, out = verify_json(run_dir, capsys=capsys)
+    assert code == 1 and out["mismatch"] == (f"probes: audited batch {step}, rank 0, pass 0: the stored blind probe "
+                                             "is not the one the run_secret draws")
+
+
+def test_reexecution_on_another_device_kind_is_refused_before_anything_runs(honest, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: a CUDA run would re-execute here")
+    run_dir = copy_run(honest, tmp_path)
+    m = read(run_dir)
+    m["compute"]["device"] = "cuda"
+    write(run_dir, m, user_key()[0])
+    assert prism(["verify", str(run_dir), "--reexecute"]) == 2
+    captured = capsys.readouterr()
+    assert "--reexecute: the run used CUDA and this machine has no CUDA device" in captured.err
+    assert "re-scoring" not in captured.err  # refused first

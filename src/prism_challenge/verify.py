@@ -182,8 +182,9 @@ def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages) -> tuple
 
 
 def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats: list[float], isolation: str,
-             timeout_s: float, stages: _Stages) -> tuple[int, int]:
-    """The audited batches' files, probes and re-scoring: (audited batches, blind probes)."""
+             timeout_s: float, stages: _Stages) -> tuple[int, int, int]:
+    """The audited batches' files, probes and re-scoring: (audited batches, blind probes passed,
+    probe batches drawn again from the secret)."""
     from prism_challenge import verify_recompute as rc
     from prism_challenge.rescore import AuditError
     from prism_challenge.verify_audit import children, filler, load_audit
@@ -205,7 +206,7 @@ def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats
                              f"{e['rescored_nats']} in the run (within the tolerance)\n")
     stages.done("re-scoring", f"{len(audits)} batches equal to their records, {probes} blind probes passed"
                 + (f" ({made} probe batches drawn again from the secret)" if made else ""))
-    return len(audits), probes
+    return len(audits), probes, made
 
 
 def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "strict", timeout_s: float = 1800.0,
@@ -213,7 +214,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
            say: Say | None = None) -> dict[str, Any]:
     """Verify a run directory (the stages in the module docstring); the figures
     (``key_id``, ``bundle_sha256``, ``prequential_bpb``, ``final_score``, ``audited_batches``,
-    ``draws_checked``, ``blind_probes``, ``reexecuted``, ``seconds`` per stage).
+    ``draws_checked``, ``blind_probes``, ``probes_redrawn``, ``reexecuted``, ``seconds`` per stage).
 
     Args:
         keys: the trusted public keys (base64 or PEM files); ``None``: the user's own key.
@@ -232,7 +233,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     data = _check_data(Path(data_dir or m["data"]["dir"]), m)
     stages.done("hashes", f"bundle {m['bundle']['sha256'][:12]}, data MANIFEST {m['data']['manifest_sha256'][:12]}")
     bpb, batch_nats, drawn = _recompute(m, profile, stages)
-    audited, probes = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
+    audited, probes, redrawn = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
     again = None
     if reexecute:
         from prism_challenge.verify_reexecute import reexecute as rerun
@@ -242,7 +243,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
         stages.done("re-execution", again["line"])
     return {"key_id": kid, "bundle_sha256": m["bundle"]["sha256"], "data_manifest_sha256": m["data"]["manifest_sha256"],
             "prequential_bpb": bpb, "final_score": m["verdict"]["final_score"], "audited_batches": audited,
-            "draws_checked": drawn is not None, "blind_probes": probes, "reexecuted": again,
+            "draws_checked": drawn is not None, "blind_probes": probes, "probes_redrawn": redrawn, "reexecuted": again,
             "seconds": stages.seconds}
 
 
