@@ -11,6 +11,16 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_config(tmp_path_factory):
+    """Keep the user's signing key (``prism_challenge.certificate.user_key``, under
+    ``platformdirs.user_config_dir``) and the service's (``user_data_dir``) of the test session
+    out of the user's home."""
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("prism-config"))
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("prism-data"))  # the service's default key
+    yield
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
     """A database URL for the service's store, once on a SQLite file and once on a fresh

@@ -89,14 +89,20 @@ def test_verify_names_an_edited_record(honest_run, tmp_path, capsys):
     entry["recorded_nats"] = [entry["recorded_nats"][0] * 0.999]  # and the curve, so the score still adds up
     targets = manifest["curve"]["cumulative_targets"]
     manifest["curve"]["nats_per_target"][step] = entry["recorded_nats"][0] / (targets[step] - targets[step - 1])
-    (run_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    from prism_challenge.certificate import sign_manifest, user_key
+
+    key = user_key()[0]  # the trusted key (prism eval's) signs the edit: the recomputation must catch it
+    (run_dir / MANIFEST_NAME).write_text(json.dumps(sign_manifest(manifest, key)))
     assert prism(["verify", str(run_dir)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("mismatch: score: ")  # the bpb no longer follows from the curve
+    assert out.startswith("mismatch: score: ")  # the totals no longer follow from the curve
     from prism_challenge.verify import curve_bpb
+    from prism_challenge.verify_recompute import policy_of, recompute_verdict
 
-    manifest["score"]["prequential_bpb"] = curve_bpb(manifest["curve"])[0]
-    (run_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    bpb, nats = curve_bpb(manifest["curve"])
+    manifest["score"].update(prequential_bpb=bpb, total_nats=math.fsum(nats), total_bits=math.fsum(nats) / math.log(2))
+    manifest["verdict"] = recompute_verdict(manifest, policy_of(manifest)[0])
+    (run_dir / MANIFEST_NAME).write_text(json.dumps(sign_manifest(manifest, key)))
     assert prism(["verify", str(run_dir)]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"mismatch: audited batch {step}: recorded {entry['recorded_nats'][0]!r} nats, re-scored ")

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from prism_challenge import __version__
 from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, drop_snapshots, empty_artifacts, keep_bundle
 from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
+from prism_challenge.certificate import CertificateError, load_private_key, sign_manifest, user_key, user_key_path
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
@@ -352,7 +354,7 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path,
         max_file_bytes=opts.max_file_bytes,
         max_open_files=opts.max_open_files,
     )
-    hidden = [str(p) for p in _hidden(data_root, run_dir)]
+    hidden = [str(p) for p in _hidden(data_root, run_dir, _key_paths(opts))]
     try:
         jail = Jail.open(opts.isolation, bundle_dir=bundle.root, hidden=hidden, limits=limits, threads=opts.threads,
                          audit=opts.audit_hooks, tmp_bytes=sizes.tmp_bytes, shm_bytes=sizes.shm_bytes)
@@ -363,10 +365,33 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path,
     return _Sandbox(jail, guard)
 
 
-def _hidden(data_root: Path, run_dir: Path) -> list[Path]:
-    """What no jailed process may see: the data directory, its salt, PRISM's caches and the
-    trusted side's copy of the scored state (the sandbox covers them; the audit hook refuses them)."""
-    return [data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model"]
+def _hidden(data_root: Path, run_dir: Path, keys: list[Path] | tuple[Path, ...] = ()) -> list[Path]:
+    """What no jailed process may see: the data directory, its salt, PRISM's caches, the
+    trusted side's copy of the scored state and the signing key (``keys``, :func:`_key_paths`)
+    (the sandbox covers them; the audit hook refuses them)."""
+    return [data_root, default_salt_path(data_root), default_cache_root(), run_dir / "model", *keys]
+
+
+def _key_paths(opts: EvalOptions) -> list[Path]:
+    """The signing key's file (the user's key: its folder too), to hide from every jailed process."""
+    if opts.signing_key_file:
+        return [Path(os.path.realpath(opts.signing_key_file))]
+    path = user_key_path()
+    return [path.parent, path]
+
+
+def _signer(opts: EvalOptions) -> Ed25519PrivateKey:
+    """The key that signs the run's manifest (``opts.signing_key_file``, else the user's own,
+    created on first use), loaded before anything is launched.
+
+    Raises:
+        EvalFailure: stage :data:`USAGE_STAGE`: the key file is missing, readable by its group or
+            others, or not an ed25519 key.
+    """
+    try:
+        return load_private_key(opts.signing_key_file) if opts.signing_key_file else user_key()[0]
+    except CertificateError as exc:
+        raise EvalFailure(USAGE_STAGE, f"signing key: {exc}") from None
 
 
 def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float,
@@ -380,6 +405,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     this process, then the parameter cap in a child). A bundle the gates refuse kills the tree
     and leaves no run directory behind.
     """
+    signing_key = _signer(opts)  # a bad key is a usage error, before anything is launched
     # 2. tokenizer and locked data (verified before anything is launched)
     with control.stage("data"):
         try:
@@ -404,7 +430,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     config = {
         **_model_config(opts, bundle, tokenizer, device),
         "artifacts_dir": str(artifacts),
-        "hidden": [str(p) for p in _hidden(data.root, run_dir)],
+        "hidden": [str(p) for p in _hidden(data.root, run_dir, _key_paths(opts))],
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
@@ -592,8 +618,26 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["audit"] = audit.to_dict() if audit is not None else None
     manifest["run_secret"] = key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
     with control.stage("manifest", check=False):
+        manifest = _signed(manifest, signing_key)
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def _signed(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
+    """The manifest in the typed model's JSON form (what the service stores and the API returns:
+    it round-trips, so the signature holds there too) with its certificate
+    (:func:`~prism_challenge.certificate.sign_manifest`); unsigned when it has no canonical form
+    (a non-finite figure: ``prism verify`` then refuses it)."""
+    from prism_challenge.results import RunManifest
+
+    try:
+        manifest = RunManifest.model_validate(manifest).to_json_dict()
+    except ValueError:  # a manifest the model refuses is written as it is (the tests catch that bug)
+        pass
+    try:
+        return sign_manifest(manifest, key)
+    except CertificateError:
+        return manifest
 
 
 def _cuda_stack(check: CudaCheck | None, jail: Jail) -> dict[str, Any]:

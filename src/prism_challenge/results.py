@@ -398,6 +398,17 @@ class Audit(_Model):
     wall_s: Seconds
 
 
+class Certificate(_Model):
+    """The run certificate (:mod:`prism_challenge.certificate`): an ed25519 signature over the
+    RFC 8785 canonical form of the manifest without this field."""
+
+    alg: Literal["ed25519"]
+    canonicalization: Literal["RFC 8785"]
+    public_key: str  # base64 of the raw 32-byte public key
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]  # sha256(public key)[:16 hex]
+    signature: str  # base64 of the 64-byte signature
+
+
 SCORED_SECTIONS = ("gates", "data", "tokenizer", "config", "budgets", "compute", "model", "stream", "score",
                    "curve", "timing", "isolation", "verdict")
 
@@ -432,6 +443,7 @@ class RunManifest(_Model):
     verdict: Verdict | None = None
     audit: Audit | None = None
     run_secret: Sha256 | None = None  # the run's secret (hex), revealed at the end; absent before issue 25
+    certificate: Certificate | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RunManifest:

@@ -31,7 +31,7 @@ from prism_challenge.service.metrics import ServiceMetrics, method_label
 from prism_challenge.service.models import utcnow
 from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes import ops, pages, read, submit
-from prism_challenge.service.settings import ServiceSettings
+from prism_challenge.service.settings import ServiceSettings, publish_key
 from prism_challenge.service.store import Store
 
 log = logging.getLogger("prism.service")
@@ -123,6 +123,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.plots = OrderedDict()  # routes/pages.py: rendered curve PNGs by run id
     app.state.clock = utcnow  # service/findings.py: when a timed suspension ends
     app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
+    app.state.signing = publish_key(settings)  # routes/ops.py: GET /version; the pages' header
     errors.install(app)
     app.add_exception_handler(errors.ApiError, _counted)
     for module in (submit, read, ops, pages):

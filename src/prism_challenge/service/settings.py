@@ -41,6 +41,10 @@ class ServiceSettings(BaseSettings):
                          "(a shipped name or a TOML file)")
     data_dir: Path | None = Field(None, description="the locked data directory of the profile (the dispatcher's)")
     run_root: Path | None = Field(None, description="where run directories go; None: <user data dir>/runs")
+    signing_key_file: Path | None = Field(None, description="the operator's ed25519 key that signs every run manifest "
+                                          "(PKCS8 PEM, mode 0600: a file its group or others may read is refused); "
+                                          "None: <user data dir>/signing-key.pem, created (0600) on first start "
+                                          "(prism_challenge.service.settings.signing_key)")
     slots: int = Field(1, ge=1, le=1024, description="evaluations at once on the embedded Ray instance")
     ray_address: str | None = Field(None, description="join this Ray cluster (`ray start`); None: start a local one")
     dispatch: bool = Field(True, description="start the Ray dispatcher (False: intake and reading only)")
@@ -145,3 +149,56 @@ def _existing(path: Path) -> Path:
 
 
 __all__ = ["CONFIG_ENV", "MIN_TOKEN_CHARS", "ServiceSettings", "WEIGHT_RULES"]
+
+
+SIGNING_KEY_ENV = "PRISM_SIGNING_KEY_FILE"
+"""The environment variable of :attr:`ServiceSettings.signing_key_file`, which the workers read too."""
+
+
+def default_signing_key_file() -> Path:
+    """The service's key when none is named: ``$PRISM_SIGNING_KEY_FILE``, else
+    ``<platformdirs user_data_dir('prism-challenge')>/signing-key.pem`` (the state directory of
+    the SQLite database and the blobs)."""
+    from platformdirs import user_data_dir
+
+    from prism_challenge.certificate import KEY_FILE_NAME
+
+    named = os.environ.get(SIGNING_KEY_ENV)
+    return Path(named) if named else Path(user_data_dir("prism-challenge")) / KEY_FILE_NAME
+
+
+def signing_key(settings: ServiceSettings) -> tuple[object, Path]:
+    """The operator's signing key and its file: ``settings.signing_key_file`` (it must exist),
+    else :func:`default_signing_key_file`, created (mode 0600, folder 0700) when absent.
+
+    Raises:
+        prism_challenge.certificate.CertificateError: the file is missing (when named), readable
+            by its group or others, or not an ed25519 key.
+    """
+    from prism_challenge.certificate import create_key_file, load_private_key
+
+    if settings.signing_key_file is not None:
+        return load_private_key(settings.signing_key_file), Path(settings.signing_key_file)
+    path = default_signing_key_file()
+    return (load_private_key(path) if path.exists() else create_key_file(path)), path
+
+
+def publish_key(settings: ServiceSettings) -> dict[str, str]:
+    """Load (or create) the operator's key at start (:func:`signing_key`), name a file the
+    settings name in ``$PRISM_SIGNING_KEY_FILE`` for the workers this process starts (the
+    default one they find by themselves), and return what the
+    service publishes: ``{"signing_public_key": base64 raw key, "signing_key_id": 16 hex}``.
+
+    Raises:
+        prism_challenge.certificate.CertificateError: see :func:`signing_key`.
+    """
+    from prism_challenge.certificate import key_id, public_key_text
+
+    import base64
+
+    key, path = signing_key(settings)
+    if settings.signing_key_file is not None:  # named in a file or an argument: the workers see it too
+        os.environ[SIGNING_KEY_ENV] = str(path.resolve())
+    public = public_key_text(key)
+
+    return {"signing_public_key": public, "signing_key_id": key_id(base64.b64decode(public))}

@@ -63,16 +63,20 @@ class Job:
 def options_for(profile: Profile, bundle: str | Path, out_dir: str | Path, data_dir: str | None = None):
     """The :class:`~prism_challenge.options.EvalOptions` of a service run: the profile's settings
     (:func:`prism_challenge.profiles.resolve`, as ``prism eval --profile`` makes them, with only
-    ``data_dir`` given), strict isolation.
+    ``data_dir`` given), strict isolation, signed by the operator's key
+    (:func:`~prism_challenge.service.settings.default_signing_key_file`: ``$PRISM_SIGNING_KEY_FILE``
+    on this node, which the service sets at start, else the state directory's).
 
     Raises:
         OptionsError: the profile's settings break a rule.
     """
     from prism_challenge.options import EvalOptions
 
+    from prism_challenge.service.settings import default_signing_key_file
+
     settings, overridden = resolve(profile, {"data_dir": data_dir})
     return EvalOptions(bundle=str(bundle), out_dir=str(out_dir), isolation="strict", profile=profile,
-                       profile_overridden=overridden, **settings)
+                       profile_overridden=overridden, signing_key_file=str(default_signing_key_file()), **settings)
 
 
 def failure_result(failure: EvalFailure, *, profile: Profile | None = None, bundle: str = "<submission>") -> EvalResult:

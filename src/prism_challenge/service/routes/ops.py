@@ -40,10 +40,12 @@ def health(request: Request) -> JSONResponse:
 
 @router.get("/version", summary="the harness version and the profile evaluated under")
 def version(request: Request) -> dict:
-    """The package version, the API version and the challenge profile (name, version, sha256)."""
+    """The package version, the API version, the challenge profile (name, version, sha256) and
+    the key that signs every run manifest (``signing_public_key``: base64 of the raw ed25519
+    key, ``signing_key_id``: its id; ``prism verify --service URL`` trusts it)."""
     p = request.app.state.profile
     return {"name": "prism-challenge", "version": __version__, "api": "v1",
-            "profile": {"name": p.name, "version": p.version, "sha256": p.sha256}}
+            "profile": {"name": p.name, "version": p.version, "sha256": p.sha256}, **request.app.state.signing}
 
 
 @router.get("/metrics", summary="Prometheus metrics")
