@@ -2,14 +2,11 @@
 seed's loop: examples/tiny-1m/training.py is ../shared/seed/training.py byte for byte, see
 test_eval_e2e), and honest runs verifying with and without ``--reexecute``.
 
-The run draws its audit from a known secret (EvalOptions.run_secret). Until the pipeline
-reveals ``run_secret`` and ``audit.schedule`` itself (branch "secret"), :func:`secret_run` makes
-the run as that branch will: the feeder's draws harmonic (auditplan.is_audited) and keyed on
-the secret, the two fields added and the manifest signed again by the user's key, the harness's."""
+The run draws its audit from a known secret (EvalOptions.run_secret), which its manifest
+reveals as ``run_secret`` with ``audit.schedule``; the manifest is signed by the user's key."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -32,43 +29,16 @@ SECRET = bytes(range(32))
 A = 4  # audited_batches: steps 0-4 always, then A/k: about 12 of the run's 24 batches
 
 
-@pytest.fixture(autouse=True)
-def _knows_the_new_fields(monkeypatch):
-    """Validate manifests with ``run_secret`` and ``audit.schedule`` on a branch whose RunManifest
-    does not declare them yet (a no-op once it does)."""
-    from prism_challenge.results import Audit, RunManifest
-
-    def validate(raw):
-        m = copy.deepcopy(raw)
-        if "run_secret" not in RunManifest.model_fields:
-            m.pop("run_secret", None)
-        if "schedule" not in Audit.model_fields and m.get("audit"):
-            m["audit"].pop("schedule", None)
-        RunManifest.model_validate(m)
-
-    monkeypatch.setattr(verify_mod, "validate_manifest", validate)
-
-
 def secret_run(out_dir):
     """The example at 20k tokens, its audit drawn from :data:`SECRET` by the harmonic schedule."""
     from prism_challenge import pipeline
-    from prism_challenge.evaluator import feeder
-    from prism_challenge.evaluator.auditplan import is_audited
 
     opts = pipeline.EvalOptions(bundle=str(EXAMPLE), out_dir=str(out_dir), device="cpu", threads=1,
                                 token_budget=20_000, heldout_bytes=10_000, audited_batches=A, run_secret=SECRET)
-    with pytest.MonkeyPatch.context() as mp:
-        if hasattr(pipeline, "_probe_key"):  # before branch "secret": key and schedule as it makes them
-            mp.setattr(pipeline, "_probe_key", lambda *a: SECRET)
-            mp.setattr(feeder.Feeder, "_audited", lambda self, step: self.audit_dir is not None
-                       and self.result.audit_rate is not None and is_audited(self._audit_key, step, self.audited_batches))
-        outcome = pipeline.evaluate(opts)
+    outcome = pipeline.evaluate(opts)
     assert outcome.failure is None, outcome.failure
     m = json.loads((out_dir / MANIFEST_NAME).read_text())
-    if "run_secret" not in m:
-        m["run_secret"] = SECRET.hex()
-        m["audit"]["schedule"] = {"rule": "harmonic", "audited_batches": A}
-        write(out_dir, m, user_key()[0])
+    assert m["run_secret"] == SECRET.hex() and m["audit"]["schedule"] == {"rule": "harmonic", "audited_batches": A}
     return out_dir
 
 

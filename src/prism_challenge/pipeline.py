@@ -906,7 +906,8 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         },
         "seed": opts.seed,
         "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads,
-                   "scoring_autocast": bundle.scoring_autocast},
+                   "scoring_autocast": bundle.scoring_autocast,
+                   "policy": dataclasses.asdict(opts.policy)},
         "budgets": {
             "token_budget": opts.token_budget,
             "byte_budget": opts.byte_budget,

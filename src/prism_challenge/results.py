@@ -123,6 +123,18 @@ class TokenizerInfo(_Model):
     eot_token: Count
 
 
+class VerdictPolicy(_Model):
+    """The :class:`~prism_challenge.verdict.Policy` the run's verdict was computed under (its
+    fields, as the dataclass names them), so ``prism verify`` recomputes the verdict with it."""
+
+    tail_fraction: float
+    gap_z: float
+    gap_floor_bpb: float
+    gap_penalty: float
+    anomaly_ratio: float
+    rank_epsilon_bpb: float
+
+
 class RunConfig(_Model):
     """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank,
     and ``prism.yaml``'s ``scoring_autocast`` (the dtype of the scoring forwards; absent before
@@ -132,6 +144,7 @@ class RunConfig(_Model):
     max_parameters: Annotated[int, Field(ge=1)]
     threads: Annotated[int, Field(ge=1)]
     scoring_autocast: Literal["fp32", "bf16", "fp16"] | None = None
+    policy: VerdictPolicy | None = None  # the verdict's policy (absent before issue 25's verify recomputed it)
 
 
 class GpuStack(_Model):

@@ -176,8 +176,7 @@ def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages) -> tuple
     rc.check_verdict(m, policy)
     stages.done("verdict", f"final_score {m['verdict']['final_score']:.6f}, flags {m['verdict']['flags']} under {source}")
     drawn = rc.check_draws(m)
-    stages.done("draws", f"{len(drawn)} audited batches drawn by the run_secret, as listed" if drawn is not None
-                else "not checked: the manifest reveals no run_secret (a harness from before it did)")
+    stages.done("draws", f"{len(drawn)} audited batches drawn by the run_secret, as listed")
     return bpb, batch_nats, drawn
 
 

@@ -83,21 +83,26 @@ def check_score(m: dict[str, Any]) -> tuple[float, list[float]]:
 def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
     """The verdict policy the run was judged under, and where it came from: its profile's
     (``profile``: a name or file to read it from instead of the shipped one of the manifest's
-    name; its sha256 must be the manifest's), or the default :class:`~prism_challenge.verdict.Policy`
-    for a run without a profile.
+    name; its sha256 must be the manifest's, and so must the policy the manifest records in
+    ``config.policy``); for a run without a profile, or one that overrode its profile's policy,
+    the recorded policy (the default :class:`~prism_challenge.verdict.Policy` for a manifest that
+    records none).
 
     Raises:
-        Mismatch: the profile cannot be read, hashes otherwise, or the run overrode its policy
-            (the manifest does not record an overridden policy).
+        Mismatch: the profile cannot be read or hashes otherwise, its policy is not the recorded
+            one, or the run overrode its policy and the manifest records none.
     """
     from prism_challenge.profiles import ProfileError, load_profile
     from prism_challenge.verdict import Policy
 
     rec = m.get("profile")
-    if rec is None:
+    recorded = m["config"].get("policy")
+    if rec is None or "policy" in rec.get("overridden", []):
+        if recorded is not None:
+            return Policy(**recorded), "the policy the manifest records (no profile's)"
+        if rec is not None:
+            raise Mismatch(f"verdict: the run overrode profile {rec['name']}'s policy, which the manifest does not record")
         return Policy(), "the default policy (no profile)"
-    if "policy" in rec.get("overridden", []):
-        raise Mismatch(f"verdict: the run overrode profile {rec['name']}'s policy, which the manifest does not record")
     try:
         p = load_profile(profile or rec["name"])
     except ProfileError as exc:
@@ -105,7 +110,10 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
     if p.sha256 != rec["sha256"]:
         raise Mismatch(f"verdict: profile {p.name} ({p.path}) hashes to {p.sha256}, the run's to {rec['sha256']} "
                        "(pass --profile FILE with the run's profile)")
-    return p.options.get("policy", Policy()), f"profile {p.name} v{p.version}"
+    policy = p.options.get("policy", Policy())
+    if recorded is not None and Policy(**recorded) != policy:
+        raise Mismatch(f"verdict: the manifest records the policy {recorded}, profile {p.name}'s is {policy}")
+    return policy, f"profile {p.name} v{p.version}"
 
 
 def _diff(path: str, recorded: Any, again: Any) -> str | None:
@@ -153,7 +161,8 @@ def recompute_verdict(m: dict[str, Any], policy: Any) -> dict[str, Any]:
     v, audit = m["verdict"], m.get("audit")
     try:
         again = build_verdict(m["score"]["prequential_bpb"], m["curve"], m["tokenizer"]["vocab_size"], v.get("heldout"),
-                              heldout_error=v.get("heldout_error"), policy=policy)
+                              heldout_error=v.get("heldout_error"), policy=policy,
+                              stop_reason=m["stream"].get("stop_reason"))
     except VerdictError as exc:
         raise Mismatch(f"verdict: cannot be recomputed: {exc}") from None
     if (v.get("heldout_error") or "").startswith("contract:"):
@@ -202,21 +211,22 @@ def secret_of(m: dict[str, Any]) -> bytes | None:
     return bytes.fromhex(s)
 
 
-def check_draws(m: dict[str, Any]) -> list[int] | None:
+def check_draws(m: dict[str, Any]) -> list[int]:
     """The audited steps drawn again from the revealed secret: ``drawn_steps(run_secret,
     stream.batches, audit.schedule.audited_batches)`` must be ``audit.batches``' steps exactly
     (a run whose audit did not pass, already zeroed, may list fewer: never one not drawn).
-    Returns the drawn steps, or ``None`` without a revealed secret.
+    Returns the drawn steps.
 
     Raises:
-        Mismatch: a schedule other than the harmonic one, or a batch missing from or added to
+        Mismatch: no revealed ``run_secret``, a schedule other than the harmonic one, or a batch missing from or added to
             the manifest's list (named).
     """
     from prism_challenge.evaluator.auditplan import drawn_steps
 
     key = secret_of(m)
     if key is None:
-        return None
+        raise Mismatch("draws: the manifest reveals no run_secret, so its audit draws cannot be re-derived "
+                       "(a manifest written before issue 25 cannot be verified)")
     audit = m["audit"]
     sched = audit.get("schedule")
     if not isinstance(sched, dict) or sched.get("rule") != "harmonic" or not isinstance(sched.get("audited_batches"), int):

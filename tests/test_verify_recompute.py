@@ -1,0 +1,89 @@
+"""``prism verify``'s recomputations on hand-built manifests (no run): the verdict under the policy
+the manifest records and with the loop's early stop, and the audit draws from the revealed secret.
+
+Each manifest starts from tests/data/scored_manifest.v2.json with its verdict rebuilt by
+:func:`prism_challenge.verdict.build_verdict` under a known policy: the independent path the
+recomputation must agree with, and disagree with once a field is edited."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from prism_challenge.evaluator.auditplan import drawn_steps
+from prism_challenge.profiles import load_profile
+from prism_challenge.verdict import Policy, build_verdict
+from prism_challenge.verify_recompute import Mismatch, check_draws, check_verdict, policy_of
+
+FIXTURE = Path(__file__).parent / "data" / "scored_manifest.v2.json"
+SECRET = bytes(range(32))
+
+
+def manifest(*, stop_reason: str = "token_budget", policy: Policy = Policy(), record: bool = True) -> dict:
+    """The fixture, with no profile, ``stop_reason``, and its verdict built under ``policy``
+    (recorded in ``config.policy`` when ``record``)."""
+    m = json.loads(FIXTURE.read_text())
+    m["profile"] = None
+    m["stream"]["stop_reason"] = stop_reason
+    m["config"]["policy"] = dataclasses.asdict(policy) if record else None
+    v = build_verdict(m["score"]["prequential_bpb"], m["curve"], m["tokenizer"]["vocab_size"],
+                      m["verdict"]["heldout"], policy=policy, stop_reason=stop_reason)
+    m["verdict"] = v.to_dict()
+    return m
+
+
+def test_a_loop_stopped_run_recomputes_with_its_flag_and_an_edit_of_it_is_named():
+    m = manifest(stop_reason="loop_stopped")
+    assert "loop_stopped" in m["verdict"]["flags"]
+    policy, _ = policy_of(m)
+    check_verdict(m, policy)
+    m["verdict"]["flags"] = [f for f in m["verdict"]["flags"] if f != "loop_stopped"]
+    with pytest.raises(Mismatch, match=r"^verdict\.flags"):
+        check_verdict(m, policy)
+
+
+def test_the_recorded_policy_is_the_one_recomputed_and_without_it_the_default_disagrees():
+    custom = Policy(tail_fraction=0.5)
+    m = manifest(policy=custom)
+    policy, source = policy_of(m)
+    assert policy == custom and "records" in source
+    check_verdict(m, policy)
+    m["config"]["policy"] = None  # a manifest that records none is judged under the default
+    policy, source = policy_of(m)
+    assert policy == Policy() and "default" in source
+    with pytest.raises(Mismatch, match=r"^verdict\.(memorization_gap|tail_bpb) is"):
+        check_verdict(m, policy)
+
+
+def test_a_recorded_policy_other_than_the_profiles_is_a_mismatch():
+    p = load_profile("local")
+    m = manifest(policy=Policy(tail_fraction=0.5))
+    m["profile"] = {"name": p.name, "version": p.version, "sha256": p.sha256, "overridden": []}
+    with pytest.raises(Mismatch, match="records the policy"):
+        policy_of(m)
+    m["config"]["policy"] = dataclasses.asdict(p.options.get("policy", Policy()))
+    assert policy_of(m)[0] == p.options.get("policy", Policy())
+
+
+def _audited(batches: int, a: int) -> dict:
+    m = {"run_secret": SECRET.hex(), "stream": {"batches": batches}}
+    steps = drawn_steps(SECRET, batches, a)
+    m["audit"] = {"schedule": {"rule": "harmonic", "audited_batches": a}, "audited_batches_target": a,
+                  "batches": [{"step": s} for s in steps], "passed": True}
+    return m
+
+
+def test_the_draws_are_the_secrets_and_a_removed_batch_or_a_hidden_secret_is_named():
+    m = _audited(60, 4)
+    steps = check_draws(m)
+    assert steps[:5] == [0, 1, 2, 3, 4] and steps == [e["step"] for e in m["audit"]["batches"]]
+    gone = m["audit"]["batches"].pop(6)
+    with pytest.raises(Mismatch, match=f"draws batch {gone['step']} for the audit"):
+        check_draws(m)
+    m = _audited(60, 4)
+    del m["run_secret"]
+    with pytest.raises(Mismatch, match="reveals no run_secret"):
+        check_draws(m)
