@@ -46,6 +46,7 @@ CANONICALIZATION = "RFC 8785"
 FIELD = "certificate"
 KEY_FILE_NAME = "signing-key.pem"
 KEY_ID_HEX = 16
+_BASE64_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
 """Hex characters of ``sha256(raw public key)`` in a key id (64 bits: a name, not a secret)."""
 
 
@@ -206,7 +207,16 @@ def parse_public_key(text: str) -> bytes:
     except (binascii.Error, ValueError):
         raw = b""
     if len(raw) != 32:
-        raise CertificateError(f"--key {text}: neither a key file nor the base64 of a raw 32-byte ed25519 public key")
+        if p.exists():
+            why = "not a regular file"
+        elif raw:
+            why = f"its base64 decodes to {len(raw)} bytes, not 32"
+        elif len(text) >= 40 and set(text) <= _BASE64_CHARS:
+            why = "not valid base64: a 32-byte key is 44 characters, the last '='"
+        else:
+            why = "no such file"
+        raise CertificateError(f"--key {text}: neither a key file nor the base64 of a raw 32-byte ed25519 public key, "
+                               f"as GET /version's signing_public_key ({why})")
     return raw
 
 

@@ -83,8 +83,11 @@ def _seed_list(text: str) -> list[int]:
 def _run_secret(text: str) -> bytes:
     """``--run-secret``: 64 hex digits (a manifest's ``run_secret``) as the run's 32 bytes."""
     s = text.strip().lower()
-    if len(s) != 64 or any(c not in "0123456789abcdef" for c in s):
-        raise argparse.ArgumentTypeError(f"{text!r}: a run secret is 64 hex digits, as a manifest's run_secret")
+    bad = [c for c in s if c not in "0123456789abcdef"]
+    if len(s) != 64 or bad:
+        why = f"{bad[0]!r} is not a hex digit" if bad else f"{len(s)} hex digits"
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}; a run secret is 64 hex digits (0-9, a-f), as a "
+                                         "manifest's run_secret")
     return bytes.fromhex(s)
 
 

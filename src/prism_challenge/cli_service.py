@@ -75,9 +75,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"prism serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    app = create_app(settings)
+    from prism_challenge.certificate import CertificateError
+    from prism_challenge.service.settings import default_signing_key_file
+
+    try:
+        app = create_app(settings)
+    except CertificateError as exc:
+        named = settings.signing_key_file
+        hint = ("; make one with: openssl genpkey -algorithm ed25519 -out FILE && chmod 600 FILE"
+                if named is not None and not Path(named).exists() else "")
+        source = "PRISM_SIGNING_KEY_FILE (setting signing_key_file)" if named is not None else "the default key file"
+        print(f"prism serve: the signing key, {source}: {exc}{hint}", file=sys.stderr)
+        return EXIT_USAGE
     p = app.state.profile
+    key_file = settings.signing_key_file or default_signing_key_file()
     print(f"prism serve: profile {p.name} (sha256 {p.sha256[:12]}), database {app.state.store.url}, "
+          f"signing key {app.state.signing['signing_key_id']} ({key_file}), "
           f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
     uvicorn.Server(server_config(app, settings)).run()
     return EXIT_OK

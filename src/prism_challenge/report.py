@@ -87,6 +87,8 @@ def print_summary(console: Console, outcome) -> None:
         *_verdict_rows(v),
         ("audit", _audit(m.get("audit"))),
         ("isolation", _isolation(m.get("isolation"))),
+        ("run secret", _secret(m.get("run_secret"))),
+        ("certificate", _certificate(m.get("certificate"))),
     ]
     for k, val in rows:
         t.add_row(k, escape(val))
@@ -202,6 +204,18 @@ def _audit(a) -> str:
                 f"{a['blind_probes']} blind probes" + (f" (probes skipped: {a['probe_skipped']})"
                                                        if a.get("probe_skipped") else ""))
     return f"FAILED: {a.get('mismatch') or a.get('error')}"
+
+
+def _secret(secret: str | None) -> str:
+    """The revealed run secret, shortened, with how to use it."""
+    return "-" if not secret else f"{secret[:12]}... (run_secret in the manifest; --run-secret repeats this run)"
+
+
+def _certificate(cert) -> str:
+    """Who signed the manifest, and how to check it."""
+    if not cert:
+        return "- (unsigned)"
+    return f"{cert.get('alg')}, key {cert.get('key_id')} (prism verify RUN_DIR checks it)"
 
 
 def _isolation(iso) -> str:

@@ -81,20 +81,42 @@ def validate_manifest(raw: dict[str, Any]) -> None:
     RunManifest.model_validate(raw)
 
 
+def schema_errors(exc: Any, limit: int = 3) -> str:
+    """A pydantic ``ValidationError`` as ``field.path: rule`` items (the first ``limit``, then a
+    count), e.g. ``seed: Input should be a valid integer; score.extra: Extra inputs are not permitted``."""
+    errors = exc.errors()
+    items = [f"{'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']}" for e in errors[:limit]]
+    more = f" (and {len(errors) - limit} more)" if len(errors) > limit else ""
+    return "; ".join(items) + more
+
+
 def read_manifest(run_dir: Path) -> dict[str, Any]:
     """The run directory's manifest as the file holds it (the signature covers these values).
 
     Raises:
-        ValueError: no readable run manifest, or not a scored one with an audit.
+        ValueError: the directory does not exist or holds no manifest; the manifest is not JSON
+            or breaks the schema (the fields and rules named); or the run was not scored with an
+            audit.
     """
+    import pydantic
+
     from prism_challenge.run_manifest import MANIFEST_NAME
 
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: " + ("not a directory: give the run directory that holds " + MANIFEST_NAME
+                                           if run_dir.exists() else "no such run directory"))
     path = run_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: holds no {MANIFEST_NAME} (not a run directory of prism eval or the service)")
     try:
         raw = json.loads(path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
         validate_manifest(raw)
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"{path}: not a valid run manifest: {schema_errors(exc)}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable run manifest ({str(exc).splitlines()[0]})") from None
     if raw["status"] != "scored" or raw.get("audit") is None:
@@ -246,30 +268,46 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
             "seconds": stages.seconds}
 
 
+VERIFY_DESCRIPTION = (
+    "Recompute a scored run directory, believing nothing it can recompute: the certificate "
+    "(the manifest's ed25519 signature, under a trusted key), the bundle's and the data's "
+    "hashes, the score from the curve, the verdict and final_score under the profile's policy, "
+    "the audit's draws from the revealed run_secret, then each audited batch re-scored in fresh "
+    "sandboxed processes. A line per stage goes to stderr as it ends.")
+VERIFY_EPILOG = ("exit status: 0 verified; 1 mismatch (the first field that differs is named); 2 a "
+                 "directory without a scored, audited manifest, an unreadable key or service, or a "
+                 "re-execution this machine cannot make.")
+
+
 def add_verify_parser(sub: Any) -> None:
     """Register ``prism verify``."""
     p = sub.add_parser("verify", help="recompute a scored run directory (signature, hashes, score, verdict, draws, "
                                       "audited batches; --reexecute: the whole run)",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="a run directory written by prism eval or the service")
-    p.add_argument("--data", default=None, help="the data directory (default: the manifest's data.dir)")
+                       description=VERIFY_DESCRIPTION, epilog=VERIFY_EPILOG)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by prism eval or the service")
+    p.add_argument("--data", default=None, metavar="DIR", help="the data directory (default: the manifest's data.dir)")
     p.add_argument("--key", action="append", default=None, metavar="BASE64|PEMFILE",
-                   help="a trusted signing public key (repeatable); default: your own key (prism eval's)")
+                   help="a trusted signing public key, from its owner (not from the manifest checked): "
+                        "the base64 of the raw 32-byte key, as /version's signing_public_key, or a PEM "
+                        "file; repeatable; default: your own key (prism eval's)")
     p.add_argument("--service", default=None, metavar="URL",
                    help="trust the signing key the service at URL publishes at /version")
-    p.add_argument("--profile", default=None, help="the run's profile (name or file), when it is not this "
-                                                   "installation's copy of the manifest's profile")
+    p.add_argument("--profile", default=None, metavar="NAME|FILE",
+                   help="the run's profile, when it is not this installation's copy of the manifest's profile")
     p.add_argument("--reexecute", action="store_true",
                    help="also run the kept bundle again and compare the curve bit for bit (same device kind)")
     p.add_argument("--isolation", choices=("strict", "none"), default="strict",
                    help="sandbox the re-scoring processes (default strict)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the re-scoring processes")
-    p.add_argument("--json", action="store_true", help="print one JSON object (the figures, or the mismatch)")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="limit for the re-scoring processes (default %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout: the figures, the mismatch, or the error (exit 2)")
     p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``prism verify``: exit 0 verified, 1 a mismatch, 2 an unreadable run directory, key or service."""
+    """``prism verify``: exit 0 verified, 1 a mismatch, 2 an unreadable run directory, key or service
+    (with ``--json``, ``{"verified": false, "error": ...}`` on stdout too)."""
     try:
         keys = list(args.key) if args.key else None
         if args.service:
@@ -281,6 +319,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_MISMATCH
     except ValueError as exc:
         print(f"prism verify: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"verified": False, "error": str(exc)}))
         return EXIT_UNREADABLE
     if args.json:
         print(json.dumps({"verified": True, **figures}))
