@@ -208,3 +208,24 @@ def test_the_help_fits_80_columns_without_markup(argv, monkeypatch):
     assert "``" not in text and "DATABASE_URL\n" not in text and "CONFIG\n" not in text
     if argv[0] != "eval":
         assert "exit status: 0" in text.lower()
+
+
+# -- the caller's own --profile and --data are the caller's error (exit 2), not the run's ----------
+def _run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "prism_run_manifest.v2.json").write_text(json.dumps(FIXTURE))  # the arguments are checked first
+    return run
+
+
+def test_verify_refuses_a_profile_or_data_directory_it_cannot_read_before_anything_else(tmp_path, capsys):
+    run = _run_dir(tmp_path)
+    code, out, err = _verify(capsys, str(run), "--profile", "nope", "--json")
+    assert code == 2 and json.loads(out)["error"].startswith("--profile nope: no such profile")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _verify(capsys, str(run), "--data", str(empty))
+    assert code == 2 and err == (f"prism verify: --data {empty}: holds no MANIFEST.json (give the run's prepared "
+                                 "data directory, as prism data prepare --out wrote it)\n")
+    code, _, err = _verify(capsys, str(run), "--data", str(tmp_path / "nodata"))
+    assert code == 2 and f"--data {tmp_path / 'nodata'}: no such directory (" in err

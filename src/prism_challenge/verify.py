@@ -67,7 +67,7 @@ def _check_data(data_dir: Path, manifest: dict[str, Any]) -> Any:
     try:
         data = load_manifest(data_dir)
     except DataError as exc:
-        raise Mismatch(f"data: {exc}") from None
+        raise Mismatch(f"data: {exc}; on another machine, --data DIR names the run's data directory there") from None
     if data.sha256 != manifest["data"]["manifest_sha256"]:
         raise Mismatch(f"data: the MANIFEST of {data_dir} hashes to {data.sha256}, the run's was "
                        f"{manifest['data']['manifest_sha256']}")
@@ -305,10 +305,33 @@ def add_verify_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_verify)
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The caller's own arguments, before anything is verified: a ``--profile`` that cannot be
+    loaded and a ``--data`` that is not a prepared data directory are the caller's error (exit 2),
+    not a mismatch of the run.
+
+    Raises:
+        ValueError: naming the option, the value and the rule.
+    """
+    from prism_challenge.data.manifest import MANIFEST_NAME
+    from prism_challenge.profiles import ProfileError, load_profile
+
+    if args.profile is not None:
+        try:
+            load_profile(args.profile)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
+    if args.data is not None and not (Path(args.data) / MANIFEST_NAME).is_file():
+        what = "no such directory" if not Path(args.data).exists() else f"holds no {MANIFEST_NAME}"
+        raise ValueError(f"--data {args.data}: {what} (give the run's prepared data directory, as prism data "
+                         "prepare --out wrote it)")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """``prism verify``: exit 0 verified, 1 a mismatch, 2 an unreadable run directory, key or service
     (with ``--json``, ``{"verified": false, "error": ...}`` on stdout too)."""
     try:
+        _check_arguments(args)
         keys = list(args.key) if args.key else None
         if args.service:
             keys = [*(keys or []), service_key(args.service)]
