@@ -229,3 +229,13 @@ def test_verify_refuses_a_profile_or_data_directory_it_cannot_read_before_anythi
                                  "data directory, as prism data prepare --out wrote it)\n")
     code, _, err = _verify(capsys, str(run), "--data", str(tmp_path / "nodata"))
     assert code == 2 and f"--data {tmp_path / 'nodata'}: no such directory (" in err
+
+
+def test_the_json_summary_carries_the_run_secret_and_the_signing_key_id(tmp_path):
+    from prism_challenge.report import summary_dict
+
+    m = copy.deepcopy(FIXTURE)
+    assert summary_dict(SimpleNamespace(manifest=m, run_dir=tmp_path))["run_secret"] is None  # an older manifest
+    m["run_secret"], m["certificate"] = SECRET, {"key_id": "ee3d73cc5462a469"}
+    got = summary_dict(SimpleNamespace(manifest=m, run_dir=tmp_path))
+    assert (got["run_secret"], got["signing_key_id"]) == (SECRET, "ee3d73cc5462a469")

@@ -102,7 +102,9 @@ def add_eval_parser(sub: Any) -> None:
         "(one rank: under the single-rank agent) on the locked train stream and write prism_run_manifest.v2.json in the run directory. "
         "Settings start from a challenge profile; an option given here overrides it (recorded in the "
         "manifest). The score is final_score (higher is better); runs rank by prequential_bpb (lower "
-        "is better) as prism compare shows.",
+        "is better) as prism compare shows. The manifest reveals the run's secret (run_secret) and is "
+        "signed with your key (made on first use in your config folder, prism/signing-key.pem); "
+        "prism verify RUN_DIR checks it.",
     )
     p.add_argument("bundle", help="bundle directory (architecture.py + training.py) or .zip")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
@@ -152,8 +154,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolation", choices=["strict", "none"], default="strict",
                    help="strict (default): sandboxed, no network, data hidden; none: local work only, not tamper-resistant")
     p.add_argument("--run-secret", type=_run_secret, metavar="HEX",
-                   help="repeat a run exactly: the 64 hex digits of its manifest's run_secret (the key of "
-                   "its audit and probe draws; default: a fresh secret per run, revealed in the manifest)")
+                   help="repeat a run exactly, with its other options: the 64 hex digits of its manifest's "
+                   "run_secret (the key of its audit and probe draws; default: a fresh secret per run, "
+                   "revealed in the manifest); not with --seeds or --repeats")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (summary and manifest path); human output goes to stderr")
     p.add_argument("--quiet", action="store_true",

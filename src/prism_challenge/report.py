@@ -109,7 +109,8 @@ def _profile(p) -> str:
 
 def summary_dict(outcome) -> dict[str, Any]:
     """The JSON summary of one run (``prism eval --json``): status, score, verdict figures, the
-    settings that decide comparability, and the run directory, manifest and log paths."""
+    settings that decide comparability, the revealed ``run_secret`` and the certificate's
+    ``signing_key_id`` (``None`` when absent), and the run directory, manifest and log paths."""
     m = outcome.manifest
     s, v = m.get("score") or {}, m.get("verdict") or {}
     ho = v.get("heldout") or {}
@@ -127,6 +128,7 @@ def summary_dict(outcome) -> dict[str, Any]:
         "stop_reason": (m.get("stream") or {}).get("stop_reason"), "seed": m.get("seed"),
         "bundle_sha256": (m.get("bundle") or {}).get("sha256"), "profile": m.get("profile"),
         "budgets": m.get("budgets"), "world_size": (m.get("compute") or {}).get("world_size"),
+        "run_secret": m.get("run_secret"), "signing_key_id": (m.get("certificate") or {}).get("key_id"),
         "failure": None if f is None else {"stage": f["stage"], "message": f["message"], "kind": f.get("kind")},
     }
 
