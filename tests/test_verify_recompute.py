@@ -8,6 +8,7 @@ recomputation must agree with, and disagree with once a field is edited."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 
@@ -87,3 +88,23 @@ def test_the_draws_are_the_secrets_and_a_removed_batch_or_a_hidden_secret_is_nam
     del m["run_secret"]
     with pytest.raises(Mismatch, match="reveals no run_secret"):
         check_draws(m)
+
+
+def test_the_reexecution_says_each_stage_and_each_tenth_with_the_runs_own_bpb_beside():
+    from prism_challenge.events import BatchScored, StageStarted
+    from prism_challenge.verify_reexecute import progress
+
+    per, cum_t, cum_b = [2.0, 1.0, 0.5], [10, 20, 30], [12, 24, 36]  # nats per target, cumulative targets/bytes
+    m = {"stream": {"batches": 3}, "curve": {"nats_per_target": per, "cumulative_targets": cum_t,
+                                               "cumulative_bytes": cum_b}}
+    lines: list[str] = []
+    on_event = progress(m, lines.append)
+    on_event(StageStarted(stage="stream", total=100, unit="tokens"))
+    for i in range(3):
+        on_event(BatchScored(batch=i, targets=10, bytes=12, nats=per[i] * 10, targets_so_far=cum_t[i],
+                             bytes_so_far=cum_b[i], nats_so_far=0.0, bpb_so_far=0.5))
+    # batch 2 of 3: (2*10 + 1*10) nats / ln 2 / 24 bytes; batch 3: 35 nats / ln 2 / 36 bytes
+    assert lines[0] == "stage stream"
+    assert lines[2] == f"batch 2/3: 0.500000 bpb so far, the run's {30 / math.log(2) / 24:.6f}"
+    assert lines[-1] == f"batch 3/3: 0.500000 bpb so far, the run's {35 / math.log(2) / 36:.6f}"
+    assert len(lines) == 4  # every batch is a tenth's mark when there are 3

@@ -260,7 +260,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
         from prism_challenge.verify_reexecute import reexecute as rerun
 
         stages.say("re-execution", "the kept bundle runs again under the recorded settings ...")
-        again = rerun(run_dir, m, copy, data, isolation)
+        again = rerun(run_dir, m, copy, data, isolation, say=lambda line: stages.say("re-execution", line))
         stages.done("re-execution", again["line"])
     return {"key_id": kid, "bundle_sha256": m["bundle"]["sha256"], "data_manifest_sha256": m["data"]["manifest_sha256"],
             "prequential_bpb": bpb, "final_score": m["verdict"]["final_score"], "audited_batches": audited,

@@ -18,7 +18,9 @@ model, or a data directory whose MANIFEST hashes otherwise (checked before, by `
 
 from __future__ import annotations
 
+import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +105,39 @@ def compare(m: dict[str, Any], again: dict[str, Any]) -> str:
             f"{(m['model']['state_sha256'] or '')[:12]}")
 
 
-def reexecute(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, isolation: str) -> dict[str, Any]:
+def progress(m: dict[str, Any], say: Callable[[str], Any]) -> Callable[[Any], None]:
+    """An ``on_progress`` callback for the re-executed run: ``say`` a line when each of its
+    stages starts, and at every tenth of the run's batches with the bpb so far beside the
+    run's own at that batch (from the manifest's curve), so a long re-execution is never silent."""
+    from prism_challenge.events import BatchScored, StageStarted
+
+    total = int(m["stream"]["batches"])
+    marks = {max(0, round(total * i / 10) - 1) for i in range(1, 11)}
+    cum_t, per = m["curve"]["cumulative_targets"], m["curve"]["nats_per_target"]
+
+    def on_event(ev: Any) -> None:
+        if isinstance(ev, StageStarted):
+            say(f"stage {ev.stage}")
+        elif isinstance(ev, BatchScored) and ev.batch in marks and ev.batch < total:
+            nats = sum(n * (t - p) for n, t, p in zip(per[: ev.batch + 1], cum_t, [0, *cum_t]))
+            run_bpb = nats / math.log(2) / m["curve"]["cumulative_bytes"][ev.batch]
+            say(f"batch {ev.batch + 1}/{total}: {ev.bpb_so_far:.6f} bpb so far, the run's {run_bpb:.6f}")
+
+    return on_event
+
+
+def reexecute(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, isolation: str,
+              say: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run the kept bundle ``copy`` again (see the module docstring); returns ``{"line",
-    "prequential_bpb", "state_sha256", "batches"}``.
+    "prequential_bpb", "state_sha256", "batches"}``. ``say``: called with a line of progress
+    (:func:`progress`).
 
     Raises:
         ValueError: another device kind or GPU model than the run's.
         Mismatch: the re-executed run failed, or its curve or figures differ.
     """
     from prism_challenge.certificate import create_key_file
+    from prism_challenge.control import RunControl
     from prism_challenge.failures import EvalFailure
     from prism_challenge.pipeline import evaluate
     from prism_challenge.verify_recompute import Mismatch
@@ -121,7 +147,7 @@ def reexecute(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, isolation
         create_key_file(key)
         opts = options_of(m, copy, Path(data.root), Path(tmp) / "run", isolation, key)
         try:
-            outcome = evaluate(opts)
+            outcome = evaluate(opts, RunControl(on_progress=progress(m, say) if say else None))
         except EvalFailure as exc:
             raise Mismatch(f"re-execution: the run did not start: {exc.stage}: {exc.message}") from None
         if outcome.failure is not None:
