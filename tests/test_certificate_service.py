@@ -82,3 +82,13 @@ def test_verify_trusts_the_key_the_service_publishes(tmp_path, monkeypatch):
         check_certificate(m, None)  # the user's own key is not the service's
     with pytest.raises(ValueError, match=r"--service http://127.0.0.1:9: cannot read its /version"):
         service_key("http://127.0.0.1:9", timeout_s=2)
+
+
+def test_a_cluster_hands_the_head_s_key_path_to_every_node_s_workers(monkeypatch):
+    from prism_challenge.service.dispatch import signing_env
+    from prism_challenge.service.settings import SIGNING_KEY_ENV
+
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    assert signing_env() is None
+    monkeypatch.setenv(SIGNING_KEY_ENV, "/etc/prism/signing-key.pem")
+    assert signing_env() == {"env_vars": {SIGNING_KEY_ENV: "/etc/prism/signing-key.pem"}}

@@ -120,6 +120,16 @@ class _Kept:
     refused: int = 0  # rounds its launch failed, the database reachable
 
 
+def signing_env() -> dict[str, Any] | None:
+    """The Ray job's ``runtime_env`` that hands ``$PRISM_SIGNING_KEY_FILE`` (the operator's key
+    file, :func:`~prism_challenge.service.settings.publish_key`) to the workers of every node of
+    a cluster; ``None`` when it is unset (each worker then finds the default key file)."""
+    from prism_challenge.service.settings import SIGNING_KEY_ENV
+
+    path = os.environ.get(SIGNING_KEY_ENV)
+    return {"env_vars": {SIGNING_KEY_ENV: path}} if path else None
+
+
 class Dispatcher:
     """Sends pending submissions to Ray and writes their results back (module docstring).
 
@@ -170,8 +180,9 @@ class Dispatcher:
         import ray
 
         if not ray.is_initialized():
-            if self.ray_address:
-                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            if self.ray_address:  # every node's workers sign with the key file at the head's path
+                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False,
+                         runtime_env=signing_env())
             else:
                 # "local": a new instance of our own, never a cluster someone `ray start`ed on this
                 # machine (ray.init() without an address joins the newest one it finds in /tmp/ray)
