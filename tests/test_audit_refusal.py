@@ -129,3 +129,40 @@ def test_a_peek_that_refuses_its_audit_is_a_finding(tmp_path, name, error):
     assert audit["error"] == f"refused: {error}; again, one snapshot per fresh process: {error}"
     facts = finding_of(outcome.manifest)
     assert facts is not None and facts.kind == "audit_refused"
+
+
+def test_a_refusal_is_named_even_beside_a_snapshot_that_never_arrived(tmp_path):
+    from prism_challenge.evaluator.snapshots import AuditedStep
+
+    snap = tmp_path / "snap.pt"
+    snap.write_bytes(b"x" * 100)
+    tokens = np.zeros((2, 8), dtype=np.int64)
+    audits = {0: AuditedStep(0, {0: tokens}, {0: 1.0}, snap, "aa" * 32),
+              9: AuditedStep(9, {0: tokens}, {0: 1.0}, None, None)}  # a loop that stalled after batch 9
+    art = tmp_path / "artifacts"
+    art.mkdir()
+    jail = ScriptedJail(fails("score: RuntimeError: not here"), fails("score: RuntimeError: not here"))
+    report = rescore.run_audit({"seed": 1, "vocab_size": 16}, audits, jail=jail, world_size=1, filler=None,
+                               key=b"k" * 32, timeout_s=60, artifacts_dir=str(art))
+    assert report.error.startswith("refused: score: RuntimeError: not here; again")
+    assert finding_of({"status": "scored", "verdict": {"flags": ["audit"]}, "audit": report.to_dict()}).kind == (
+        "audit_refused")
+
+
+DRAWS_9 = bytes.fromhex("c311316627e8e470a4f71d1eec82e8a432fa1dc2e200cd36e68464a66bec42d4")  # batch 9 audited
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open (red team, issue 25): a loop that peeks on its last batch and then "
+                   "never asks again is stopped as stalled and scored; when that batch was drawn its snapshot never "
+                   "arrives, so the audit 'could not run' (zero, no finding) and otherwise the peek is scored")
+def test_a_peek_on_the_last_batch_then_a_stall_is_no_free_draw(tmp_path):
+    from prism_challenge.evaluator.auditplan import is_audited
+
+    assert is_audited(DRAWS_9, 9)
+    outcome = evaluate(EvalOptions(bundle=str(bundle("stall_last", tmp_path)), out_dir=str(tmp_path / "run"),
+                                   token_budget=12_000, heldout_bytes=20_000, device="cpu", threads=1,
+                                   idle_timeout=5, run_secret=DRAWS_9))
+    m = outcome.manifest
+    # measured: 10 batches scored, audit.error "audited batch 9: its weight snapshot never arrived", no finding
+    assert m["stream"]["batches"] == 9 or finding_of(m) is not None

@@ -453,8 +453,8 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
             report.blind_probes, report.mismatch = compare_blind(
                 jobs, rescored, blind_jobs, blind, int(config["vocab_size"]),
                 autocast_dtype(config.get("scoring_autocast")))
-    except AuditError as exc:
-        report.error = report.error or str(exc)
+    except AuditError as exc:  # a refusal is named even beside a missing snapshot: it is the finding
+        report.error = str(exc) if str(exc).startswith(REFUSED) else report.error or str(exc)
     except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable
         report.error = report.error or f"audit: {exc}"
     report.wall_s = time.monotonic() - t0
