@@ -153,16 +153,25 @@ DRAWS_9 = bytes.fromhex("c311316627e8e470a4f71d1eec82e8a432fa1dc2e200cd36e68464a
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open (red team, issue 25): a loop that peeks on its last batch and then "
-                   "never asks again is stopped as stalled and scored; when that batch was drawn its snapshot never "
-                   "arrives, so the audit 'could not run' (zero, no finding) and otherwise the peek is scored")
-def test_a_peek_on_the_last_batch_then_a_stall_is_no_free_draw(tmp_path):
+def test_a_peek_on_the_last_batch_then_a_stall_is_caught(tmp_path):
+    """The answer to a record rode on the next BATCH frame, which rank 0 read only when the loop
+    asked again: a loop that peeked on its last batch and then never asked (stopped as stalled,
+    and scored) kept that batch's snapshot from the audit. Measured before the fix, with batch 9
+    drawn: 10 batches scored, ``audit.error = "audited batch 9: its weight snapshot never
+    arrived"``, no finding (and, batch 9 not drawn, the peek scored). Now the answer comes at
+    once, in a frame of its own, and the snapshot leaves before the loop gets the batch."""
     from prism_challenge.evaluator.auditplan import is_audited
 
     assert is_audited(DRAWS_9, 9)
     outcome = evaluate(EvalOptions(bundle=str(bundle("stall_last", tmp_path)), out_dir=str(tmp_path / "run"),
                                    token_budget=12_000, heldout_bytes=20_000, device="cpu", threads=1,
                                    idle_timeout=5, run_secret=DRAWS_9))
+    assert outcome.failure is None, outcome.failure
     m = outcome.manifest
-    # measured: 10 batches scored, audit.error "audited batch 9: its weight snapshot never arrived", no finding
-    assert m["stream"]["batches"] == 9 or finding_of(m) is not None
+    audit = m["audit"]
+    assert m["stream"]["batches"] == 10 and m["stream"]["stop_reason"] == "stalled"
+    assert audit["error"] is None and [b["step"] for b in audit["batches"]][-1] == 9
+    # the peek's switch is a plain attribute: the re-scoring from the snapshot does not peek
+    assert [b["step"] for b in audit["batches"] if not b["match"]] == [9]
+    assert audit["mismatch"].startswith("audited batch 9: recorded ")
+    assert m["verdict"]["final_score"] == 0.0 and finding_of(m).kind == "rescore"
