@@ -10,10 +10,12 @@
   unaudited run's, with the stream times beside it (the snapshots rank 0 sends and the feeder
   writes, and the answers).
 * **per batch**: rank 0 copies the scored module's ``state_dict`` before every scoring forward
-  (the audit's snapshot, kept until the feeder's answer, which rides in the next frame's header:
-  no round trip); printed: the copy's median time on the example's model. (An earlier design
-  answered each record with a frame of its own before the loop could train: 204 us median,
-  410 us p90 per batch on this 2-core machine, against a client process.)
+  (the audit's snapshot, kept until the feeder's answer); printed: the copy's median time on the
+  example's model. The answer is a frame of its own, read before the loop gets the batch: one
+  round trip per batch (red team, issue 25: riding on the next batch's frame, a loop that stalled
+  after its last batch kept that snapshot from the audit). Measured against a client process on
+  this 2-core machine: 204 us median, 410 us p90 per batch in an earlier measurement; 74 us more
+  than the pipelined record in the red team's (400 batches, a fake rank, tests running beside).
 
 How the share scales: the audit costs about 5 s whatever ``A`` (the first child's start, which only
 the tokenizing of the probes' text overlaps: interpreter, ``import torch``, the bundle, about 3 s

@@ -106,7 +106,7 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     b0 = r.next(2, 10)
     assert r.audits == []  # nothing recorded yet: no answer
     protocol.send_small(r.sock, (Kind.RECORD, {"step": 0, "nats": 7.5}), (Kind.NEXT, {"batch_size": 2, "seq_len": 10}))
-    r.take()  # batch 1 carries the answer to batch 0's record
+    r.take()  # the answer to batch 0's record came first, in a frame of its own
     assert r.audits == [[0, True]]
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([3])}
     _snapshot(r, 0, state)
@@ -115,7 +115,7 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     _snapshot(r, 1, {"w": torch.zeros(2, 3), "n": torch.tensor([4])})
     r.record(2, 6.0)
     assert r.next(2, 10) is None
-    assert r.audits == [[0, True], [1, True], [2, False]]  # the end carries the last answer
+    assert r.audits == [[0, True], [1, True], [2, False]]  # the last answer came before the end
     protocol.send(r.sock, Kind.DONE, {})
     assert wait_done(f)
     res = f.finish()

@@ -181,7 +181,7 @@ def test_each_proven_cheat_is_a_finding_with_its_batch_and_figures():
 def test_what_never_counts(why):
     if why == "timeout":  # the audit could not run: never a finding
         m = manifest(audit=audit_error(timed_out=True), flags=("audit",))
-    elif why == "refusal":  # an audit-hook refusal in a re-scoring child zeroes the run but proves no cheat
+    elif why == "refusal":  # one audit-hook refusal zeroes the run but proves no cheat (twice: test_audit_refusal)
         m = manifest(audit=audit_error(refusal="open", failure="audit: open('/data') refused"), flags=("audit",))
     elif why == "crash":
         m = manifest(audit=audit_error(failure="crash: signal 9"), flags=("audit",))

@@ -57,7 +57,34 @@ STDERR_TAIL_LINES = 15
 
 
 class AuditError(RuntimeError):
-    """The audit could not run to its end; the message says why (``stage: reason``)."""
+    """The audit could not run to its end; the message says why (``stage: reason``).
+
+    ``by_submission`` is set when the child that ran submitted code failed of its own doing
+    (:data:`SUBMITTED_STAGES`, an audit-hook refusal, or a crash without a reply), as opposed to
+    a timeout or a harness/protocol fault: :func:`run_audit` then tries once more, and a second
+    failure is the submission refusing its audit (:data:`REFUSED`)."""
+
+    def __init__(self, message: str, *, by_submission: bool = False) -> None:
+        super().__init__(message)
+        self.by_submission = by_submission
+
+
+SUBMITTED_STAGES = ("import", "build", "load", "score", "contract")
+"""The prefixes of a child's own error report (:func:`prism_challenge.heldout.submission_failure`)
+that name an exception raised while the child ran submitted code: importing the bundle,
+``build_model``, ``load_state_dict``, the forward (``contract``: the instrument's ContractError).
+The main run ran the same code on the same weights and batch without failing."""
+
+REFUSED = "refused: "
+"""The prefix of ``audit.error`` when the audit failed twice of the submission's own doing
+(red team, issue 25): a bundle that raises, or crashes its process, only where it is re-scored
+(a plain attribute set by its loop tells a live model from one rebuilt from a snapshot) turned a
+caught cheat into an audit that "could not run", which proved nothing and cost nothing. The
+audit is tried again in fresh processes of one snapshot each (no more memory than the run held),
+and a second failure of any kind (with its own time limit) is a refusal: the service records it as the finding
+``audit_refused`` (:data:`prism_challenge.service.findings.PROVEN_CHEATS`). A timeout first
+(a hang only where re-scored is not told from a slow host: open), or the jail failing to start a
+child, stays an ``audit.error`` without a finding."""
 
 
 @dataclass
@@ -172,13 +199,14 @@ def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key
     return jobs, blind, paths, problems
 
 
-def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
-    """Snapshot indices per child: at most :data:`CHILD_STATE_BYTES` of files each (one at least)."""
+def _groups(jobs: list[Job], paths: list[Path], state_bytes: int = CHILD_STATE_BYTES) -> list[list[int]]:
+    """Snapshot indices per child: at most ``state_bytes`` of files each (one at least; ``0``:
+    one snapshot per child)."""
     groups: list[list[int]] = []
     size = 0
     for i, p in enumerate(paths):
         n = p.stat().st_size
-        if not groups or size + n > CHILD_STATE_BYTES:
+        if not groups or size + n > state_bytes:
             groups.append([])
             size = 0
         groups[-1].append(i)
@@ -189,11 +217,12 @@ def _groups(jobs: list[Job], paths: list[Path]) -> list[list[int]]:
 CHILD_ARGV = (sys.executable, "-m", "prism_challenge.rescore_child", "--stdin")
 
 
-def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str) -> list[tuple[str, int, Any]]:
+def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str,
+              state_bytes: int = CHILD_STATE_BYTES) -> list[tuple[str, int, Any]]:
     """One ``(mode, jobs, payload maker)`` per ``mode`` child: its jobs' count and a function
     that reads its snapshots only when it is fed (one child's files in memory at a time)."""
     out = []
-    for group in _groups(jobs, paths):
+    for group in _groups(jobs, paths, state_bytes):
         mine = [j for j in jobs if j.state in group]
         if not mine:
             continue
@@ -246,7 +275,8 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
 
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
-             deadline: float, writable: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+             deadline: float, writable: Sequence[str], state_bytes: int = CHILD_STATE_BYTES
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
     any): ``(rescored, blind or None)``, each list in job order.
 
@@ -262,7 +292,8 @@ def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job
         AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error
             (the re-scoring's first).
     """
-    tasks = _payloads(config, jobs, paths, "rescore") + (_payloads(config, blind, paths, "blind") if blind else [])
+    tasks = (_payloads(config, jobs, paths, "rescore", state_bytes)
+             + (_payloads(config, blind, paths, "blind", state_bytes) if blind else []))
     results = _run_tasks(jail, tasks, deadline=deadline, writable=writable)
     empty_folders(writable)
     return results["rescore"], (results["blind"] if blind else None)
@@ -272,17 +303,19 @@ def _reply(done: Any, mode: str) -> dict[str, Any]:
     if done.timed_out:
         raise AuditError(f"timeout: the {mode} process ran past the audit's time limit")
     if done.refusal is not None:
-        raise AuditError(f"contract: {done.failure.partition(': ')[2]}")
+        raise AuditError(f"contract: {done.failure.partition(': ')[2]}", by_submission=True)
     tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     try:
         reply = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         reply = None
-    if not isinstance(reply, dict):
-        raise AuditError(f"{done.failure or 'crash: no result'} in the {mode} process\n{tail}".rstrip())
+    if not isinstance(reply, dict):  # the child died while it ran submitted code, or before
+        raise AuditError(f"{done.failure or 'crash: no result'} in the {mode} process\n{tail}".rstrip(),
+                         by_submission=True)
     if not reply.get("ok"):
-        raise AuditError(str(reply.get("error") or f"{mode}: failed without a reason"))
+        error = str(reply.get("error") or f"{mode}: failed without a reason")
+        raise AuditError(error, by_submission=error.partition(": ")[0] in SUBMITTED_STAGES)
     return reply
 
 
@@ -360,6 +393,30 @@ def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind_jobs: l
     return probed, None
 
 
+def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs: list[Job], paths: list[Path],
+                  deadline: float, timeout_s: float, artifacts_dir: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """:func:`run_both` before ``deadline``; when it fails of the submission's doing
+    (``AuditError.by_submission``), once more with one snapshot per child and a fresh
+    ``timeout_s`` (:data:`REFUSED`): a second failure of any kind, a timeout too, then follows a
+    failure the submission caused, on inputs the run itself scored without failing.
+
+    Raises:
+        AuditError: the first failure when it is not the submission's; ``refused: <first>; again:
+            <second>`` when the second try failed too.
+    """
+    try:
+        return run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
+    except AuditError as first:
+        if not first.by_submission:
+            raise
+        try:
+            return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + timeout_s,
+                            writable=[artifacts_dir], state_bytes=0)
+        except AuditError as second:
+            raise AuditError(f"{REFUSED}{first}; again, one snapshot per fresh process: {second}") from None
+
+
 def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, world_size: int, filler: np.ndarray | None,
               key: bytes, timeout_s: float, artifacts_dir: str, meta: dict[str, Any] | None = None) -> AuditReport:
     """Re-score every audited batch and probe it blind; never raises for the submission's failures.
@@ -390,14 +447,14 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
     try:
-        rescored, blind = run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
+        rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir)
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(
                 jobs, rescored, blind_jobs, blind, int(config["vocab_size"]),
                 autocast_dtype(config.get("scoring_autocast")))
-    except AuditError as exc:
-        report.error = report.error or str(exc)
+    except AuditError as exc:  # a refusal is named even beside a missing snapshot: it is the finding
+        report.error = str(exc) if str(exc).startswith(REFUSED) else report.error or str(exc)
     except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable
         report.error = report.error or f"audit: {exc}"
     report.wall_s = time.monotonic() - t0

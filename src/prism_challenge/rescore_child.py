@@ -74,13 +74,14 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
     device = "cuda:0" if device == "cuda" else device
     seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])
     force_determinism(seed, int(config.get("threads", 1)))
-    stage = "import"
+    stage = "setup"  # the harness's own steps: a failure here is never the submission's (rescore.SUBMITTED_STAGES)
     try:
         root = str(config["bundle_root"])
         force_source_imports(root)
         sys.path.insert(0, root)
         arm(root, [str(config["context"]["artifacts_dir"])], hidden=config.get("hidden", ()))
         module, symbol = config["architecture"]
+        stage = "import"
         fn = getattr(importlib.import_module(module), symbol, None)
         if not callable(fn):
             raise AuditError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
@@ -106,7 +107,8 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
         return out
     except AuditError:
         raise
-    except Exception as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden
+    except BaseException as exc:  # noqa: BLE001 - submitted code fails in any way; named, not hidden. A
+        # BaseException subclass (allow-listed) would otherwise end the child with no reply
         raise submission_failure(exc, stage, AuditError) from None
 
 

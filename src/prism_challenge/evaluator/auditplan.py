@@ -1,9 +1,11 @@
 """The audit's schedule: which batches of the stream are re-scored from a snapshot of the weights.
 
 The trusted side (the feeder) decides, batch by batch, whether a batch is **audited**. The rank
-learns it only from the answer to that batch's loss record, which the feeder puts in the header
-of the frame that follows the record (the next BATCH, or END): after the record has left the
-rank. Rank 0 copies the scored module's ``state_dict`` before each scoring forward (before any
+learns it only from the answer to that batch's loss record, an ANSWER frame the feeder sends as
+soon as the record arrives: after the record has left the rank. The rank reads it before it asks
+for the next batch and before the loop gets this one (one round trip per batch; the answer used
+to ride on the next BATCH, read only when the loop asked again, so a loop that stalled after its
+last batch kept that batch's snapshot from the audit: red team, issue 25). Rank 0 copies the scored module's ``state_dict`` before each scoring forward (before any
 submitted code ran on the batch, so before the loop could train on it) and keeps the copy until
 that answer; for an audited batch it sends it: the weights that scored the batch, and nothing
 the forward could have stored in them from the batch itself. After the stream, fresh sandboxed processes rebuild the

@@ -198,7 +198,6 @@ class RankState:
     left: bool = False  # the loop dropped the stream before its end
     state_bytes: int = 0
     snapshots: SnapshotStore | None = None  # rank 0: the audited batches' snapshots
-    answer: list | None = None  # [step, audited] of the last record, sent with the next BATCH or END
 
 
 @dataclass
@@ -534,17 +533,15 @@ class Feeder:
                 raise ProtocolError(f"rank {st.rank} changed the batch shape from {self._shape} to {(b, t)}")
         with self._lock:
             piece = self._piece(st, b, t)
-        answer = {"audited": st.answer} if st.answer is not None else {}
-        st.answer = None
         if piece is None:
             st.end_sent = True
-            self._send(st, Kind.END, {"reason": self.result.stop_reason, **answer})
+            self._send(st, Kind.END, {"reason": self.result.stop_reason})
             return
         tokens, nbytes = piece
         st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
-        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), **answer}
+        header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
         probe = self._probe(st.step, int(tokens.shape[0]), int(tokens.shape[1]))
         if probe is not None:
             header["probe"] = probe
@@ -642,7 +639,13 @@ class Feeder:
                     st.snapshots.expect(pending["step"])
                 except StateError as exc:
                     raise ProtocolError(str(exc)) from None
-        st.answer = [pending["step"], audited]  # leaves with the next frame: after the record arrived
+        if self.audit_dir is not None:
+            # at once, in a frame of its own, after the record arrived: the rank reads it (and sends an
+            # audited batch's snapshot) before it asks for the next batch and before the loop runs any
+            # code on this one. Riding on the next BATCH, it was read only when the loop asked again:
+            # a loop that peeked on its last batch and then never asked (stopped as stalled, scored)
+            # kept that batch's snapshot from the audit (red team, issue 25)
+            self._send(st, Kind.ANSWER, {"audited": [pending["step"], audited]})
         nats, finite = charge(float(nats), pending["targets"], self.vocab_size)
         st.pending = None
         st.taken += 1

@@ -25,10 +25,10 @@ class Kind(IntEnum):
 
     HELLO = 1  # R->F {rank, local_rank, world_size, pid}
     CONFIG = 2  # F->R the run configuration (seed, tokenizer, device, budgets, bundle)
-    NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch (sent with the previous RECORD)
-    BATCH = 4  # F->R {step, rows, seq_len[, probe][, audited]} + int64 token ids [rows, seq_len]
-    END = 5  # F->R {reason[, audited]}: the stream is over for this rank (audited: [step, bool], the
-    # answer to the previous batch's record)
+    NEXT = 3  # R->F {batch_size, seq_len}: ask for the next batch (sent with the previous RECORD, or
+    # after its ANSWER in an audited run)
+    BATCH = 4  # F->R {step, rows, seq_len[, probe]} + int64 token ids [rows, seq_len]
+    END = 5  # F->R {reason}: the stream is over for this rank
     RECORD = 6  # R->F {step, nats}: the loss of the batch just scored
     EVENT = 7  # R->F {event, batches}: "end" (the loop read END), "left" (it dropped the stream)
     ERROR = 8  # R->F {stage, message, traceback}
@@ -36,6 +36,7 @@ class Kind(IntEnum):
     STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
     SNAPSHOT = 12  # R->F {step, name, dtype, shape} + raw bytes: one tensor of an audited batch's state
     SNAPSHOT_END = 13  # R->F {step, tensors}: the audited batch's state is complete
+    ANSWER = 14  # F->R {audited: [step, bool]}: the answer to a record, at once (audited runs)
 
 
 class ProtocolError(RuntimeError):

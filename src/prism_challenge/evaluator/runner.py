@@ -178,8 +178,6 @@ class Runtime:
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
             kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
-            if kind in (Kind.BATCH, Kind.END):
-                self.answer_audit(header)
             if kind == Kind.END:  # the loop asked past the last batch: tell the feeder it is leaving
                 protocol.send(self.sock, Kind.EVENT, {"event": "end", "batches": step})
                 return
@@ -198,11 +196,13 @@ class Runtime:
                 raise self.contract_error(str(exc)) from None
             if census is not None:
                 self._check_census(model, census, tokens, step)
-            protocol.send_small(
-                self.sock,
-                (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None}),
-                (Kind.NEXT, request),
-            )
+            record = (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
+            if self.config.get("audit"):  # the answer first, then the request: one round trip per batch
+                protocol.send(self.sock, *record)
+                self.await_answer(step)
+                protocol.send(self.sock, Kind.NEXT, request)
+            else:
+                protocol.send_small(self.sock, record, (Kind.NEXT, request))
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -237,10 +237,23 @@ class Runtime:
             out[name] = copies[view]
         return step, out
 
+    def await_answer(self, step: int) -> None:
+        """Read the feeder's answer to batch ``step``'s record (an ANSWER frame, sent at once) and
+        act on it (:meth:`answer_audit`), before the loop gets the batch: an audited batch's
+        snapshot leaves whatever the loop does next, even if it never asks for another batch.
+
+        Raises:
+            protocol.ProtocolError: another frame, or an answer to another batch.
+        """
+        kind, header, _ = self.reader.recv(max_payload=0)
+        answer = header.get("audited")
+        if kind != Kind.ANSWER or not (isinstance(answer, list) and answer[:1] == [step]):
+            raise protocol.ProtocolError(f"expected the feeder's answer to batch {step}'s record, got {kind.name}")
+        self.answer_audit(header)
+
     def answer_audit(self, header: dict[str, Any]) -> None:
-        """The feeder's answer to the previous batch's record (``audited``: ``[step, bool]``, in the
-        header of the frame that follows the record: the next BATCH or END, so it leaves the
-        trusted side only once the record arrived). For an audited batch rank 0 sends the copy it
+        """The feeder's answer to a batch's record (``audited``: ``[step, bool]``, an ANSWER frame the
+        feeder sends once the record arrived, :meth:`await_answer`). For an audited batch rank 0 sends the copy it
         kept of the weights before that batch was scored (:meth:`_state_before`); the copy is
         dropped either way (:mod:`~prism_challenge.evaluator.auditplan`).
 

@@ -8,6 +8,11 @@ says why in the words of a proof (:func:`finding_of`; the first row that matches
   that scored it in a fresh process, did not reproduce its record (``rescore``), or a blind probe
   of an audited batch that gave the true token other nats once its row went on with other text
   (``blind_probe``). :mod:`prism_challenge.rescore` sets ``mismatch`` only for these two.
+- ``audit.error`` starting ``refused: `` (flag ``audit``, kind ``audit_refused``): the audit's
+  children failed of the submission's own doing (its exception or crash while re-scoring, an
+  audit-hook refusal), twice, the second time in fresh processes of one snapshot each, on the
+  weights and batches the run itself scored without failing (:data:`prism_challenge.rescore.REFUSED`:
+  a cheat that raises only where it is re-scored would otherwise trade its finding for a zero).
 - ``verdict.heldout_error`` naming a causality failure (flag ``heldout_contract``): the trained
   model's predictions on held-out text moved when only later tokens changed (the in-process
   probe, ``heldout_causality``) or differed in the held-out blind probe
@@ -15,10 +20,10 @@ says why in the words of a proof (:func:`finding_of`; the first row that matches
 
 **What never counts.** Every failed run (an ``infrastructure`` failure above all, and also a
 ``submission`` failure: it earned nothing, and its message comes from the bundle's own process);
-an audit that could not run (``audit.error``: a timeout, an isolation or protocol problem, a
-snapshot that never arrived, the child's crash, an audit-hook refusal in a re-scoring child):
-it zeroes the run but proves no cheat, so the rule is conservative and ``audit.error`` alone is
-never a finding; every other held-out error (a timeout, bad logits, an audit-hook refusal); the
+an audit that could not run for any other reason (``audit.error`` without ``refused:``: a
+timeout, the jail failing to start a child, a protocol problem, a snapshot that never arrived, a
+failure of the submission's doing that a second try did not repeat): it zeroes the run but
+proves no cheat; every other held-out error (a timeout, bad logits, an audit-hook refusal); the
 ``anomaly`` and ``memorization`` flags (statistical tests, not proofs).
 
 **Suspension.** A hotkey with a finding that is not lifted is suspended while
@@ -41,6 +46,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from prism_challenge.rescore import REFUSED
 from prism_challenge.service.models import Finding, Submitter, storable
 
 log = logging.getLogger("prism_challenge.service")
@@ -60,16 +66,17 @@ class Caught:
 PROVEN_CHEATS: tuple[Caught, ...] = (
     Caught("blind_probe", "audit", "audit.mismatch", "blind probe of audited batch "),
     Caught("rescore", "audit", "audit.mismatch", ""),
+    Caught("audit_refused", "audit", "audit.error", REFUSED),
     Caught("heldout_causality", "heldout_contract", "verdict.heldout_error", "contract: the model is not causal"),
     Caught("heldout_blind_probe", "heldout_contract", "verdict.heldout_error",
            "contract: the trained model is not causal"),
 )
 """The flags and fields that make a finding, first match first (see the module's docstring):
 ``audit.mismatch`` is set by :func:`prism_challenge.rescore.compare_rescore` and
-:func:`~prism_challenge.rescore.compare_blind` only (``audit.error`` is the audit that could not
-run, never a finding); ``verdict.heldout_error`` is a ``contract:`` error of
-:mod:`prism_challenge.heldout` (flag ``heldout_contract``), of which only the two causality
-probes' count."""
+:func:`~prism_challenge.rescore.compare_blind` only; ``audit.error`` is a finding only with the
+prefix :data:`prism_challenge.rescore.REFUSED` (the submission's own failure, twice);
+``verdict.heldout_error`` is a ``contract:`` error of :mod:`prism_challenge.heldout` (flag
+``heldout_contract``), of which only the two causality probes' count."""
 KINDS = tuple(c.kind for c in PROVEN_CHEATS)
 
 _NUM = r"(-?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan))"
