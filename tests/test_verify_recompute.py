@@ -108,3 +108,12 @@ def test_the_reexecution_says_each_stage_and_each_tenth_with_the_runs_own_bpb_be
     assert lines[2] == f"batch 2/3: 0.500000 bpb so far, the run's {30 / math.log(2) / 24:.6f}"
     assert lines[-1] == f"batch 3/3: 0.500000 bpb so far, the run's {35 / math.log(2) / 36:.6f}"
     assert len(lines) == 4  # every batch is a tenth's mark when there are 3
+
+
+def test_a_run_audited_with_a_smaller_a_than_the_harness_is_refused_unless_accepted():
+    from prism_challenge.evaluator.auditplan import AUDITED_BATCHES
+
+    m = _audited(60, AUDITED_BATCHES - 2)
+    with pytest.raises(Mismatch, match=f"A = {AUDITED_BATCHES - 2}, below {AUDITED_BATCHES}"):
+        check_draws(m)
+    assert check_draws(m, min_audited=AUDITED_BATCHES - 2) == [e["step"] for e in m["audit"]["batches"]]

@@ -188,7 +188,8 @@ def _trust(m: dict[str, Any], keys: list[str] | None, reexecute: bool, stages: _
     return kid
 
 
-def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages) -> tuple[float, list[float], list[int] | None]:
+def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages,
+               min_audited: int | None = None) -> tuple[float, list[float], list[int] | None]:
     """Score, verdict and draws from the manifest alone: (bpb, nats per batch, drawn steps)."""
     from prism_challenge import verify_recompute as rc
 
@@ -197,8 +198,10 @@ def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages) -> tuple
     policy, source = rc.policy_of(m, profile)
     rc.check_verdict(m, policy)
     stages.done("verdict", f"final_score {m['verdict']['final_score']:.6f}, flags {m['verdict']['flags']} under {source}")
-    drawn = rc.check_draws(m)
-    stages.done("draws", f"{len(drawn)} audited batches drawn by the run_secret, as listed")
+    drawn = rc.check_draws(m, min_audited)
+    a = m["audit"]["schedule"]["audited_batches"]
+    stages.done("draws", f"{len(drawn)} audited batches drawn by the run_secret, as listed (harmonic, A = {a}: a "
+                         f"cheat on a fraction f of the batches escapes with at most (1 - f)^{a})")
     return bpb, batch_nats, drawn
 
 
@@ -232,7 +235,7 @@ def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats
 
 def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "strict", timeout_s: float = 1800.0,
            keys: list[str] | None = None, profile: str | None = None, reexecute: bool = False,
-           say: Say | None = None) -> dict[str, Any]:
+           say: Say | None = None, min_audited: int | None = None) -> dict[str, Any]:
     """Verify a run directory (the stages in the module docstring); the figures
     (``key_id``, ``bundle_sha256``, ``prequential_bpb``, ``final_score``, ``audited_batches``,
     ``draws_checked``, ``blind_probes``, ``probes_redrawn``, ``reexecuted``, ``seconds`` per stage).
@@ -240,6 +243,8 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     Args:
         keys: the trusted public keys (base64 or PEM files); ``None``: the user's own key.
         profile: the run's profile (name or file) when this installation's differs.
+        min_audited: the smallest ``A`` accepted (``None``: the harness's
+            :data:`~prism_challenge.evaluator.auditplan.AUDITED_BATCHES`).
         say: called with (stage, line) as each stage ends (default: a line on stderr).
 
     Raises:
@@ -253,7 +258,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     copy = _check_bundle(run_dir, m)
     data = _check_data(Path(data_dir or m["data"]["dir"]), m)
     stages.done("hashes", f"bundle {m['bundle']['sha256'][:12]}, data MANIFEST {m['data']['manifest_sha256'][:12]}")
-    bpb, batch_nats, drawn = _recompute(m, profile, stages)
+    bpb, batch_nats, drawn = _recompute(m, profile, stages, min_audited)
     audited, probes, redrawn = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
     again = None
     if reexecute:
@@ -294,6 +299,9 @@ def add_verify_parser(sub: Any) -> None:
                    help="trust the signing key the service at URL publishes at /version")
     p.add_argument("--profile", default=None, metavar="NAME|FILE",
                    help="the run's profile, when it is not this installation's copy of the manifest's profile")
+    p.add_argument("--min-audited", type=int, default=None, metavar="A",
+                   help="accept a run audited with this A or more (default: the harness's own A; a smaller A "
+                        "is a weaker audit, refused)")
     p.add_argument("--reexecute", action="store_true",
                    help="also run the kept bundle again and compare the curve bit for bit (same device kind)")
     p.add_argument("--isolation", choices=("strict", "none"), default="strict",
@@ -336,7 +344,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if args.service:
             keys = [*(keys or []), service_key(args.service)]
         figures = verify(Path(args.run_dir), Path(args.data) if args.data else None, isolation=args.isolation,
-                         timeout_s=args.timeout, keys=keys, profile=args.profile, reexecute=args.reexecute)
+                         timeout_s=args.timeout, keys=keys, profile=args.profile, reexecute=args.reexecute,
+                         min_audited=args.min_audited)
     except Mismatch as exc:
         print(json.dumps({"verified": False, "mismatch": str(exc)}) if args.json else f"mismatch: {exc}")
         return EXIT_MISMATCH

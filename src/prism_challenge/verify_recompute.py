@@ -211,17 +211,19 @@ def secret_of(m: dict[str, Any]) -> bytes | None:
     return bytes.fromhex(s)
 
 
-def check_draws(m: dict[str, Any]) -> list[int]:
+def check_draws(m: dict[str, Any], min_audited: int | None = None) -> list[int]:
     """The audited steps drawn again from the revealed secret: ``drawn_steps(run_secret,
     stream.batches, audit.schedule.audited_batches)`` must be ``audit.batches``' steps exactly
     (a run whose audit did not pass, already zeroed, may list fewer: never one not drawn).
-    Returns the drawn steps.
+    The run's ``A`` must be at least ``min_audited`` (``None``: the harness's
+    :data:`~prism_challenge.evaluator.auditplan.AUDITED_BATCHES`): a run signed with a smaller
+    ``A`` escapes with ``(1 - f)^A``, a weaker bound than the challenge's. Returns the drawn steps.
 
     Raises:
-        Mismatch: no revealed ``run_secret``, a schedule other than the harmonic one, or a batch missing from or added to
-            the manifest's list (named).
+        Mismatch: no revealed ``run_secret``, a schedule other than the harmonic one, an ``A``
+            below ``min_audited``, or a batch missing from or added to the manifest's list (named).
     """
-    from prism_challenge.evaluator.auditplan import drawn_steps
+    from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, drawn_steps
 
     key = secret_of(m)
     if key is None:
@@ -235,6 +237,10 @@ def check_draws(m: dict[str, Any]) -> list[int]:
     if audit.get("audited_batches_target", a) != a:
         raise Mismatch(f"draws: audit.schedule.audited_batches {a} is not audit.audited_batches_target "
                        f"{audit['audited_batches_target']}")
+    floor = AUDITED_BATCHES if min_audited is None else min_audited
+    if a < floor:
+        raise Mismatch(f"draws: the run audited with A = {a}, below {floor} (a cheat on a fraction f of its batches "
+                       f"escapes with (1 - f)^{a}); --min-audited {a} accepts it")
     drawn = drawn_steps(key, int(m["stream"]["batches"]), a)
     listed = [int(e["step"]) for e in audit["batches"]]
     extra = sorted(set(listed) - set(drawn))
