@@ -11,7 +11,9 @@ BaseException), flags ``["audit"]``, ``finding_of(manifest) is None``.
 
 Now a failure of the submission's doing is tried once more, one snapshot per fresh process, and
 a second failure is ``audit.error = "refused: ..."``: the finding ``audit_refused``. A timeout
-first, or a harness step, is still no finding.
+first is tried again too, one snapshot per child under its own limit: a child past it hung of
+its own doing (``hang: ...``, a refusal); a retry that only runs out of time is no finding, nor is
+a harness step.
 """
 from __future__ import annotations
 
@@ -175,3 +177,93 @@ def test_a_peek_on_the_last_batch_then_a_stall_is_caught(tmp_path):
     assert [b["step"] for b in audit["batches"] if not b["match"]] == [9]
     assert audit["mismatch"].startswith("audited batch 9: recorded ")
     assert m["verdict"]["final_score"] == 0.0 and finding_of(m).kind == "rescore"
+
+
+class TimedJail(ScriptedJail):
+    """A :class:`ScriptedJail` that also records each child's time limit."""
+
+    def __init__(self, *script):
+        super().__init__(*script)
+        self.limits: list[float] = []
+
+    def run(self, argv, input, timeout_s, writable, warm_next=False):
+        self.limits.append(timeout_s)
+        return super().run(argv, input, timeout_s, writable, warm_next)
+
+
+def test_a_timeout_then_a_child_past_its_own_limit_is_a_hang_refusal(tmp_path):
+    """A loop that busy-waits only where it is re-scored: the first try times out, the retry's
+    child of one snapshot runs past its own limit, 60 s + 20 x 0.5 s per job (one job here)."""
+    jail = TimedJail(TIMEOUT, TIMEOUT)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"snap{i}.pt")
+        paths[-1].write_bytes(b"x" * 100)
+    jobs = [rescore.Job(i, 0, i, np.zeros((2, 8), dtype=np.int64), []) for i in range(3)]
+    (tmp_path / "art").mkdir()
+    with pytest.raises(rescore.AuditError) as caught:
+        rescore._run_or_retry(jail, {"seed": 1}, jobs, [], paths, time.monotonic() + 60, 60.0, str(tmp_path / "art"),
+                              batch_s=0.5)
+    assert str(caught.value).startswith("refused: timeout: the rescore process ran past the audit's time limit; "
+                                        "again, one snapshot per fresh process: hang: the rescore process of one "
+                                        "snapshot (1 job(s)) ran past its own limit of 70 s")
+    assert jail.limits[1] == 70.0  # the retry's first child: its own limit, below the retry's deadline (140 s)
+    assert finding_of_refusal(str(caught.value)) == "audit_refused"
+
+
+def finding_of_refusal(error: str) -> str | None:
+    from test_service_findings import audit_section, manifest
+
+    facts = finding_of(manifest(audit=audit_section([], error=error), flags=("audit",)))
+    return facts.kind if facts is not None else None
+
+
+def test_a_timeout_whose_retry_only_runs_out_of_time_stays_a_plain_timeout(tmp_path, monkeypatch):
+    """An honest model too slow for the audit's limit: no child past its own limit, the whole
+    retry past its deadline: the first timeout is the error (it zeroes the run, proves nothing)."""
+    calls = []
+
+    def slow(*args, **kw):
+        calls.append(kw.get("child_limit"))
+        raise rescore.AuditError("timeout: the rescore process ran past the audit's time limit")
+
+    monkeypatch.setattr(rescore, "run_both", slow)
+    with pytest.raises(rescore.AuditError) as caught:
+        attempt_with(tmp_path, batch_s=2.0)
+    assert str(caught.value) == "timeout: the rescore process ran past the audit's time limit"
+    assert calls[0] is None and calls[1](1) == 60.0 + 20 * 2.0 and calls[1](2) == 60.0 + 20 * 2.0 * 2
+    assert finding_of_refusal(str(caught.value)) is None
+
+
+def attempt_with(tmp_path, batch_s):
+    paths = [tmp_path / "snap0.pt"]
+    paths[0].write_bytes(b"x")
+    jobs = [rescore.Job(0, 0, 0, np.zeros((2, 8), dtype=np.int64), [])]
+    (tmp_path / "art").mkdir(exist_ok=True)
+    return rescore._run_or_retry(None, {"seed": 1}, jobs, [], paths, time.monotonic() + 60, 60.0,
+                                 str(tmp_path / "art"), batch_s=batch_s)
+
+
+def test_the_runs_own_seconds_per_batch():
+    from types import SimpleNamespace
+
+    from prism_challenge.auditstage import seconds_per_batch
+
+    assert seconds_per_batch(SimpleNamespace(steps=[0] * 5, first_batch_at=10.0, last_record_at=18.0)) == 2.0
+    assert seconds_per_batch(SimpleNamespace(steps=[0], first_batch_at=10.0, last_record_at=18.0)) is None
+
+
+@pytest.mark.slow
+def test_a_peek_that_hangs_where_it_is_re_scored_is_a_finding(tmp_path):
+    """refuse_hang spins for ever in the audit's child instead of raising: the first try times out
+    (the audit's limit, 30 s here), the retry's child of the peeked snapshot runs past its own
+    limit, and the run's audit error is the refusal the service records as ``audit_refused``."""
+    outcome = evaluate(EvalOptions(bundle=str(bundle("refuse_hang", tmp_path)), out_dir=str(tmp_path / "run"),
+                                   token_budget=12_000, heldout_bytes=20_000, device="cpu", threads=1,
+                                   heldout_timeout=30.0))
+    assert outcome.failure is None, outcome.failure
+    audit, verdict = outcome.manifest["audit"], outcome.manifest["verdict"]
+    assert verdict["final_score"] == 0.0 and "audit" in verdict["flags"] and audit["mismatch"] is None
+    assert audit["error"].startswith("refused: timeout: the rescore process ran past the audit's time limit; again, "
+                                     "one snapshot per fresh process: hang: the rescore process of one snapshot")
+    assert finding_of(outcome.manifest).kind == "audit_refused"

@@ -99,6 +99,15 @@ def write_inputs(run_dir: Path, audits: dict[int, Any], world_size: int, filler:
         np.savez(run_dir / AUDIT_DIR / f"step-{step:06d}.npz", **arrays)
 
 
+def seconds_per_batch(result: Any) -> float | None:
+    """The run's own wall seconds per batch, from the first batch served to the last record
+    (``(last_record_at - first_batch_at) / (batches - 1)``); ``None`` below two batches."""
+    n = len(result.steps)
+    if n < 2 or result.first_batch_at is None or result.last_record_at is None:
+        return None
+    return max(0.0, result.last_record_at - result.first_batch_at) / (n - 1)
+
+
 def child_config(model_config: dict[str, Any], run_config: dict[str, Any], world_size: int,
                  hidden: list[str]) -> dict[str, Any]:
     """What the audit's children need: the model configuration, the run's context values, and
@@ -136,6 +145,7 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
             if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
                 filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
             report = run_audit(config, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
+                               batch_s=seconds_per_batch(result),
                                timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
         finally:
             jail.drop_spare(list(CHILD_ARGV), writable=writable)  # no audited batch had a snapshot: never fed

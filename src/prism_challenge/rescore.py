@@ -34,7 +34,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,10 @@ that name an exception raised while the child ran submitted code: importing the 
 ``build_model``, ``load_state_dict``, the forward (``contract``: the instrument's ContractError).
 The main run ran the same code on the same weights and batch without failing."""
 
+HANG_FACTOR = 20.0
+"""How many times the run's own seconds per batch (times the child's jobs) a retried child of one
+snapshot may take beyond the audit's whole limit before it counts as a hang (:func:`hang_limit`)."""
+
 REFUSED = "refused: "
 """The prefix of ``audit.error`` when the audit failed twice of the submission's own doing
 (red team, issue 25): a bundle that raises, or crashes its process, only where it is re-scored
@@ -82,9 +86,12 @@ REFUSED = "refused: "
 caught cheat into an audit that "could not run", which proved nothing and cost nothing. The
 audit is tried again in fresh processes of one snapshot each (no more memory than the run held),
 and a second failure of any kind (with its own time limit) is a refusal: the service records it as the finding
-``audit_refused`` (:data:`prism_challenge.service.findings.PROVEN_CHEATS`). A timeout first
-(a hang only where re-scored is not told from a slow host: open), or the jail failing to start a
-child, stays an ``audit.error`` without a finding."""
+``audit_refused`` (:data:`prism_challenge.service.findings.PROVEN_CHEATS`). A timeout first is
+tried again too, one snapshot per child, each under its own :func:`hang_limit` (the audit's
+whole limit plus :data:`HANG_FACTOR` times the run's own seconds per batch): a child past it hung
+of its own doing (a loop that busy-waits only where re-scored), a refusal; the whole retry past
+its deadline with no child past its own (a host or model too slow for the audit's limit) stays a
+plain ``audit.error``, and so does the jail failing to start a child."""
 
 
 @dataclass
@@ -239,21 +246,29 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
     return out
 
 
-def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float, writable: Sequence[str]
-               ) -> dict[str, list[dict[str, Any]]]:
+def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float, writable: Sequence[str],
+               child_limit: Callable[[int], float] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run one child per task, one at a time, the next one warming while one works (see
-    :func:`run_both`); each mode's per-job results in task order.
+    :func:`run_both`); each mode's per-job results in task order. ``child_limit(jobs)``: the
+    seconds one child of that many jobs may take (``None``: until ``deadline``); a child that
+    runs past its own limit, before the deadline, hung of its own doing (``by_submission``).
 
     Raises:
-        AuditError: as :func:`run_both`.
+        AuditError: as :func:`run_both`; ``hang: ...`` for a child past its own limit.
     """
     results: dict[str, list[dict[str, Any]]] = {"rescore": [], "blind": []}
     try:
         for i, (mode, count, payload) in enumerate(tasks):
             data = payload()
             empty_folders(writable)  # nothing another child left there (freshdir)
-            reply = _reply(jail.run(list(CHILD_ARGV), input=data, timeout_s=deadline - time.monotonic(),
-                                    writable=writable, warm_next=i + 1 < len(tasks)), mode)
+            left = deadline - time.monotonic()
+            limit = child_limit(count) if child_limit is not None else None
+            done = jail.run(list(CHILD_ARGV), input=data, timeout_s=min(left, limit) if limit else left,
+                            writable=writable, warm_next=i + 1 < len(tasks))
+            if done.timed_out and limit is not None and limit < left:
+                raise AuditError(f"hang: the {mode} process of one snapshot ({count} job(s)) ran past its own "
+                                 f"limit of {limit:.0f} s", by_submission=True)
+            reply = _reply(done, mode)
             got = reply.get("jobs")
             if not isinstance(got, list) or len(got) != count:
                 raise AuditError(f"protocol: malformed reply from the {mode} process")
@@ -275,7 +290,8 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
 
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
-             deadline: float, writable: Sequence[str], state_bytes: int = CHILD_STATE_BYTES
+             deadline: float, writable: Sequence[str], state_bytes: int = CHILD_STATE_BYTES,
+             child_limit: Callable[[int], float] | None = None
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
     any): ``(rescored, blind or None)``, each list in job order.
@@ -294,7 +310,7 @@ def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job
     """
     tasks = (_payloads(config, jobs, paths, "rescore", state_bytes)
              + (_payloads(config, blind, paths, "blind", state_bytes) if blind else []))
-    results = _run_tasks(jail, tasks, deadline=deadline, writable=writable)
+    results = _run_tasks(jail, tasks, deadline=deadline, writable=writable, child_limit=child_limit)
     empty_folders(writable)
     return results["rescore"], (results["blind"] if blind else None)
 
@@ -393,32 +409,51 @@ def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind_jobs: l
     return probed, None
 
 
+def hang_limit(timeout_s: float, batch_s: float) -> Callable[[int], float]:
+    """The seconds one retried child of ``jobs`` jobs (one snapshot) may take before it counts as
+    a hang of the submission's doing: ``timeout_s + HANG_FACTOR * batch_s * jobs``, the whole
+    audit's own limit for one snapshot's build, load and forwards, plus a margin over the run's
+    own seconds per batch (``batch_s``, forward, backward and step: more than one forward)."""
+    return lambda jobs: timeout_s + HANG_FACTOR * batch_s * jobs
+
+
 def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs: list[Job], paths: list[Path],
-                  deadline: float, timeout_s: float, artifacts_dir: str
+                  deadline: float, timeout_s: float, artifacts_dir: str, batch_s: float | None = None
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """:func:`run_both` before ``deadline``; when it fails of the submission's doing
     (``AuditError.by_submission``), once more with one snapshot per child and a fresh
     ``timeout_s`` (:data:`REFUSED`): a second failure of any kind, a timeout too, then follows a
-    failure the submission caused, on inputs the run itself scored without failing.
+    failure the submission caused, on inputs the run itself scored without failing. When the
+    first try timed out and the run's seconds per batch ``batch_s`` are known, once more too,
+    one snapshot per child, each child under its own :func:`hang_limit` and the whole under
+    twice the largest: a child past its own limit is a hang (:data:`REFUSED`); the whole past its
+    deadline (an honest model too slow for the audit's limit) stays a plain timeout.
 
     Raises:
         AuditError: the first failure when it is not the submission's; ``refused: <first>; again:
-            <second>`` when the second try failed too.
+            <second>`` when the second try failed too (after a timeout first: of the submission's doing).
     """
     try:
         return run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
     except AuditError as first:
-        if not first.by_submission:
+        timed_out = str(first).startswith("timeout:") and batch_s is not None and batch_s >= 0
+        if not (first.by_submission or timed_out):
             raise
+        limit = hang_limit(timeout_s, batch_s or 0.0) if timed_out else None
+        most = max(sum(1 for j in [*jobs, *blind_jobs] if j.state == i) for i in range(len(paths)))
+        retry_s = 2 * limit(most) if limit is not None else timeout_s
         try:
-            return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + timeout_s,
-                            writable=[artifacts_dir], state_bytes=0)
+            return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + retry_s,
+                            writable=[artifacts_dir], state_bytes=0, child_limit=limit)
         except AuditError as second:
+            if timed_out and not first.by_submission and not second.by_submission:
+                raise first from None  # the whole audit is too slow here, and no child hung: no proof
             raise AuditError(f"{REFUSED}{first}; again, one snapshot per fresh process: {second}") from None
 
 
 def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, world_size: int, filler: np.ndarray | None,
-              key: bytes, timeout_s: float, artifacts_dir: str, meta: dict[str, Any] | None = None) -> AuditReport:
+              key: bytes, timeout_s: float, artifacts_dir: str, meta: dict[str, Any] | None = None,
+              batch_s: float | None = None) -> AuditReport:
     """Re-score every audited batch and probe it blind; never raises for the submission's failures.
 
     Args:
@@ -429,6 +464,8 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
         filler: held-out token ids for the blind probes (``None``: no probe; say why in ``meta``).
         key: the run's secret key (the probed positions and the text's offsets).
         artifacts_dir: an empty folder at the run's ``ctx.artifacts_dir`` path (writable).
+        batch_s: the run's own seconds per batch (``None``: unknown; a first timeout is then
+            not tried again, :func:`_run_or_retry`).
 
     Returns:
         The report: ``mismatch`` or ``error`` set means the run is zeroed.
@@ -447,7 +484,8 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
     try:
-        rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir)
+        rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir,
+                                        batch_s)
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(
