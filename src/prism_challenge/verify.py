@@ -189,7 +189,7 @@ def _trust(m: dict[str, Any], keys: list[str] | None, reexecute: bool, stages: _
 
 
 def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages,
-               min_audited: int | None = None) -> tuple[float, list[float], list[int] | None]:
+               min_audited: int | None = None) -> tuple[float, list[float], list[int]]:
     """Score, verdict and draws from the manifest alone: (bpb, nats per batch, drawn steps)."""
     from prism_challenge import verify_recompute as rc
 
@@ -214,7 +214,7 @@ def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats
     from prism_challenge.verify_audit import children, filler, load_audit
 
     audits, inputs = load_audit(run_dir, m, batch_nats, data)
-    made = rc.check_probes(m, inputs, filler(m, data) if rc.secret_of(m) is not None else None)
+    made = rc.check_probes(m, inputs, filler(m, data))
     for e in m["audit"]["batches"]:  # the manifest's own verdict on its records
         if not e["match"]:
             raise Mismatch(f"audited batch {e['step']}: the run itself found recorded {e['recorded_nats']} and "
@@ -258,7 +258,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     copy = _check_bundle(run_dir, m)
     data = _check_data(Path(data_dir or m["data"]["dir"]), m)
     stages.done("hashes", f"bundle {m['bundle']['sha256'][:12]}, data MANIFEST {m['data']['manifest_sha256'][:12]}")
-    bpb, batch_nats, drawn = _recompute(m, profile, stages, min_audited)
+    bpb, batch_nats, _ = _recompute(m, profile, stages, min_audited)
     audited, probes, redrawn = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
     again = None
     if reexecute:
@@ -269,8 +269,8 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
         stages.done("re-execution", again["line"])
     return {"key_id": kid, "bundle_sha256": m["bundle"]["sha256"], "data_manifest_sha256": m["data"]["manifest_sha256"],
             "prequential_bpb": bpb, "final_score": m["verdict"]["final_score"], "audited_batches": audited,
-            "draws_checked": drawn is not None, "blind_probes": probes, "probes_redrawn": redrawn, "reexecuted": again,
-            "seconds": stages.seconds}
+            "draws_checked": True, "blind_probes": probes, "probes_redrawn": redrawn, "reexecuted": again,
+            "seconds": stages.seconds}  # draws_checked: always, a manifest without run_secret is a mismatch
 
 
 VERIFY_DESCRIPTION = (

@@ -196,16 +196,17 @@ def check_verdict(m: dict[str, Any], policy: Any) -> dict[str, Any]:
     return recomputed
 
 
-def secret_of(m: dict[str, Any]) -> bytes | None:
-    """The revealed ``run_secret`` (32 bytes), or ``None`` when the manifest has none (a harness
-    from before the secret was revealed: its draws cannot be checked).
+def secret_of(m: dict[str, Any]) -> bytes:
+    """The revealed ``run_secret`` (32 bytes).
 
     Raises:
-        Mismatch: ``run_secret`` is not 64 lowercase hex characters.
+        Mismatch: the manifest reveals none (a harness from before issue 25: its draws cannot be
+            re-derived), or ``run_secret`` is not 64 lowercase hex characters.
     """
     s = m.get("run_secret")
     if s is None:
-        return None
+        raise Mismatch("draws: the manifest reveals no run_secret, so its audit draws cannot be re-derived "
+                       "(a manifest written before issue 25 cannot be verified)")
     if not isinstance(s, str) or not SECRET_RE.match(s):
         raise Mismatch("draws: run_secret is not 64 lowercase hex characters")
     return bytes.fromhex(s)
@@ -226,9 +227,6 @@ def check_draws(m: dict[str, Any], min_audited: int | None = None) -> list[int]:
     from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, drawn_steps
 
     key = secret_of(m)
-    if key is None:
-        raise Mismatch("draws: the manifest reveals no run_secret, so its audit draws cannot be re-derived "
-                       "(a manifest written before issue 25 cannot be verified)")
     audit = m["audit"]
     sched = audit.get("schedule")
     if not isinstance(sched, dict) or sched.get("rule") != "harmonic" or not isinstance(sched.get("audited_batches"), int):
@@ -260,16 +258,15 @@ def check_probes(m: dict[str, Any], inputs: dict[int, dict[str, np.ndarray]], fi
     :func:`~prism_challenge.rescore.probe_batch` over the val split's prefix ``filler``
     (:func:`prism_challenge.auditstage.val_filler`): each must be equal, and there must be
     :data:`~prism_challenge.rescore.BLIND_PASSES` of them per slice (none when the run had no
-    usable filler). Returns the probes compared (0 without a revealed secret).
+    usable filler). Returns the probes compared.
 
     Raises:
-        Mismatch: a stored probe or pick that the secret does not give, named by step and rank.
+        Mismatch: no revealed secret (:func:`secret_of`), or a stored probe or pick that the
+            secret does not give, named by step and rank.
     """
     from prism_challenge.rescore import BLIND_PASSES, probe_batch
 
     key = secret_of(m)
-    if key is None:
-        return 0
     n, done = int(m["compute"]["world_size"]), 0
     for step, arrays in sorted(inputs.items()):
         for r in range(n):
