@@ -23,7 +23,7 @@ TRAIN = EXAMPLE / "training.py"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory.mktemp("svc"), rate_limit=1000, max_body_bytes=64 * 1024) as (base, app):
+    with live_server(tmp_path_factory.mktemp("svc"), rate_limit=1000, address_rate_limit=1000, max_in_flight=1000, max_body_bytes=64 * 1024) as (base, app):
         yield base, app
 
 
@@ -247,15 +247,17 @@ def test_missing_and_malformed_headers(server, tmp_path):
     _error(post(base, b"", signed(b"")), 400, "empty-body", "request", "prism:body")
 
 
-def test_the_rate_limit_answers_429_with_retry_after(tmp_path):
-    with live_server(tmp_path, rate_limit=2, rate_window_s=600) as (base, _):
-        bodies = [zip_files({"x.py": f"x = {i}\n"}) for i in range(3)]  # refused at intake, still counted
-        assert [post(base, b, signed(b)).status_code for b in bodies[:2]] == [422, 422]
-        r = post(base, bodies[2], signed(bodies[2]))
+def test_the_rate_limit_counts_accepted_submissions_and_answers_429_with_retry_after(tmp_path):
+    with live_server(tmp_path, rate_limit=2, rate_window_s=600, max_in_flight=10) as (base, _):
+        refused = [zip_files({"x.py": f"x = {i}\n"}) for i in range(3)]  # refused at intake: not counted
+        assert [post(base, b, signed(b)).status_code for b in refused] == [422, 422, 422]
+        good = [_bundle(tmp_path, lr=f"0.00{i + 2}", name=f"r{i}") for i in range(3)]
+        assert [post(base, b, signed(b)).status_code for b in good[:2]] == [202, 202]
+        r = post(base, good[2], signed(good[2]))
         err = _error(r, 429, "rate-limited", "auth", "prism:rate-limit")
         assert 590 <= int(r.headers["Retry-After"]) <= 600
         assert ALICE in err["message"]
-        assert post(base, bodies[2], signed(bodies[2], BOB_SEED)).status_code == 422  # per hotkey
+        assert post(base, good[2], signed(good[2], BOB_SEED)).status_code == 202  # per hotkey
         _still_serving(base)
 
 

@@ -95,7 +95,8 @@ def test_fifty_concurrent_submissions_through_the_service_each_end_with_exactly_
     assert not ray.is_initialized()  # the app's dispatcher starts the embedded Ray itself
     t0 = time.monotonic()
     with live_server(tmp_path, start_timeout_s=180, database_url=db_url, dispatch=True, slots=2,
-                     profile=w["profile_file"], data_dir=w["data"], rate_limit=10 * N, max_attempts=3) as (base, app):
+                     profile=w["profile_file"], data_dir=w["data"], rate_limit=10 * N, address_rate_limit=10 * N,
+                     max_in_flight=10 * N, max_attempts=3) as (base, app):
         started = time.monotonic()
         store = app.state.store
         assert ray.cluster_resources()["CPU"] == 2.0

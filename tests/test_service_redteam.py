@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import time
 import zipfile
 
@@ -20,7 +21,7 @@ from service_live import ALICE, ALICE_SEED, live_server, post, signed, zip_dir
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory.mktemp("svc"), rate_limit=1000) as (base, app):
+    with live_server(tmp_path_factory.mktemp("svc"), rate_limit=1000, address_rate_limit=1000, max_in_flight=1000) as (base, app):
         yield base, app
 
 
@@ -113,7 +114,7 @@ def test_the_stock_architecture_makes_no_author(tmp_path):
     write_bundle(tmp_path / "tuned", "gpt2")
     train = tmp_path / "tuned" / "training.py"
     train.write_text(train.read_text() + "\nTUNED = 1\n")
-    with live_server(tmp_path / "svc", rate_limit=1000) as (base, app):
+    with live_server(tmp_path / "svc", rate_limit=1000, address_rate_limit=1000, max_in_flight=1000) as (base, app):
         first = zip_dir(tmp_path / "stock", "stock")
         r1 = post(base, first, signed(first, BOB_SEED))
         second = zip_dir(tmp_path / "tuned", "tuned")
@@ -140,7 +141,7 @@ def test_an_own_architecture_still_has_its_author(tmp_path):
         arch.write_text(arch.read_text() + "\nOWN_ARCHITECTURE = 1\n")
     train = tmp_path / "own2" / "training.py"
     train.write_text(train.read_text() + "\nTUNED = 1\n")
-    with live_server(tmp_path / "svc", rate_limit=1000) as (base, _):
+    with live_server(tmp_path / "svc", rate_limit=1000, address_rate_limit=1000, max_in_flight=1000) as (base, _):
         first = zip_dir(tmp_path / "own", "own")
         r1 = post(base, first, signed(first, BOB_SEED))
         second = zip_dir(tmp_path / "own2", "own2")
@@ -198,21 +199,29 @@ def test_connections_past_max_connections_get_503_not_memory(tmp_path):
 
 def test_replaying_a_captured_request_does_not_spend_its_hotkeys_rate_limit(tmp_path):
     """Whoever saw one of Alice's signed requests (a proxy's log) replays it: each replay is
-    409 ``nonce-reused``, and none counts against Alice's rate limit (2 here), so her next
-    fresh request is still accepted."""
-    with live_server(tmp_path, rate_limit=2) as (base, _):
+    409 ``nonce-reused``, and none counts against Alice's rate limit (2 here); nor does a refused
+    duplicate, so her next fresh request is still accepted, and only the one after it is 429."""
+    with live_server(tmp_path, rate_limit=2, max_in_flight=10) as (base, _):
         body = zip_dir(EXAMPLE, "first")
         headers = signed(body)
         assert post(base, body, headers).status_code == 202
         for _ in range(3):
             r = post(base, body, headers)
             assert (r.status_code, r.json()["error"]["code"]) == (409, "nonce-reused"), r.text
-        fresh = zip_dir(EXAMPLE, "second")
-        r = post(base, fresh, signed(fresh))
-        assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate", r.text  # judged, not 429
-        third = zip_dir(EXAMPLE, "third")
-        r = post(base, third, signed(third))
-        assert r.status_code == 429 and r.headers["Retry-After"], r.text  # the limit still holds
+        same = zip_dir(EXAMPLE, "second")
+        r = post(base, same, signed(same))
+        assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate", r.text  # judged, not counted
+        root = tmp_path / "other"
+        shutil.copytree(EXAMPLE, root)
+        (root / "training.py").write_text((root / "training.py").read_text() + "\nOTHER = 1\n")
+        other = zip_dir(root, "third")
+        assert post(base, other, signed(other)).status_code == 202  # the second accepted
+        root2 = tmp_path / "other2"
+        shutil.copytree(EXAMPLE, root2)
+        (root2 / "training.py").write_text((root2 / "training.py").read_text() + "\nOTHER = 2\n")
+        fourth = zip_dir(root2, "fourth")
+        r = post(base, fourth, signed(fourth))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate-limited" and r.headers["Retry-After"], r.text
 
 
 # Ristretto255's base point, compressed (RFC 9496, section 4.4's generator).

@@ -2,7 +2,8 @@
 
 ``app.state`` holds what the routes share: ``settings`` (:class:`ServiceSettings`), ``profile``
 (the loaded challenge profile every submission is evaluated under), ``store`` (the database,
-migrated when the app is made), ``blobs`` (the bundles' bytes), ``rate_limiter``,
+migrated when the app is made), ``blobs`` (the bundles' bytes), ``registry`` (the listed
+hotkeys, :class:`~prism_challenge.service.registry.HotkeyRegistry`, or ``None``),
 ``intake_limiter`` (intakes at once, off the event loop), ``metrics``, ``plots`` (the pages'
 rendered curves), ``dispatcher`` (the Ray dispatcher while it runs, else ``None``) and ``clock``
 (the current UTC time, ``models.utcnow``: when suspensions end; tests set their own).
@@ -29,9 +30,10 @@ from prism_challenge.service import errors
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.metrics import ServiceMetrics, method_label
 from prism_challenge.service.models import utcnow
-from prism_challenge.service.ratelimit import RateLimiter
+from prism_challenge.service.registry import HotkeyRegistry
 from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings, publish_key
+from prism_challenge.service.slowclients import header_timeout_protocol
 from prism_challenge.service.store import Store
 
 log = logging.getLogger("prism.service")
@@ -99,7 +101,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         preload_gate_imports()
-        if settings.dispatch:
+        if settings.dispatch and app.state.dispatcher is None:  # prism serve starts it before the server
             start_dispatcher(app)
         log.info("prism service %s: profile %s (%s), database %s", __version__, app.state.profile.name,
                  app.state.profile.sha256[:12], app.state.store.url)
@@ -116,7 +118,9 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     store = Store(settings.database_url)
     app.state.settings, app.state.profile, app.state.store = settings, profile, store
     app.state.blobs = BlobStore(settings.blob_root)
-    app.state.rate_limiter = RateLimiter(settings.rate_limit, settings.rate_window_s)
+    app.state.registry = (HotkeyRegistry(settings.hotkey_registry, settings.ss58_prefix,
+                                         settings.hotkey_registry_refresh_s)
+                          if settings.hotkey_registry is not None else None)
     app.state.intake_limiter = anyio.CapacityLimiter(INTAKES_AT_ONCE)
     app.state.metrics = ServiceMetrics(store, profile.name)
     app.state.dispatcher = None
@@ -137,16 +141,25 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
                                           str(response.status_code)).inc()
         return response
 
+    if settings.trusted_proxies:  # the client a trusted proxy names; never a header of anyone else
+        from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=list(settings.trusted_proxies))
     return app
 
 
 def server_config(app: FastAPI, settings: ServiceSettings, **overrides: Any) -> uvicorn.Config:
-    """The uvicorn configuration of the service: ``settings``' host and port, and
+    """The uvicorn configuration of the service: ``settings``' host and port,
     ``limit_concurrency = settings.max_connections`` (past it, uvicorn answers 503 before the
-    app reads a byte, so at most that many bodies are buffered at once). ``overrides`` are more
-    :class:`uvicorn.Config` arguments (``log_level``, a test's ``port=0``)."""
+    app reads a byte, so at most that many bodies are buffered at once), the slow-client limits
+    (``keep_alive_s``, ``max_header_bytes``, ``header_timeout_s``:
+    :mod:`~prism_challenge.service.slowclients`), and uvicorn's own forwarded-header handling
+    off (it trusts 127.0.0.1 by default: the app adds it for ``trusted_proxies`` only).
+    ``overrides`` are more :class:`uvicorn.Config` arguments (``log_level``, a test's ``port=0``)."""
     given = {"host": settings.host, "port": settings.port, "limit_concurrency": settings.max_connections,
-             "log_level": "info", **overrides}
+             "log_level": "info", "proxy_headers": False, "timeout_keep_alive": settings.keep_alive_s,
+             "h11_max_incomplete_event_size": settings.max_header_bytes,
+             "http": header_timeout_protocol(settings.header_timeout_s), **overrides}
     return uvicorn.Config(app, **given)
 
 

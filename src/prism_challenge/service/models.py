@@ -19,6 +19,9 @@ Findings (migration 0004, issue 25): a run whose manifest proves a cheat
 (:mod:`prism_challenge.service.findings`) has one ``findings`` row against its hotkey, written in
 the transaction that stores the run (``findings.run_id`` and ``findings.attempt_id`` are unique);
 an operator's lift marks it (``lifted_at``, ``lifted_by``, ``lift_reason``), never deletes it.
+
+Admission (migration 0005, issue 27): ``submissions.client_address``, so that every limit of
+:mod:`prism_challenge.service.admission` is a count of accepted rows (a restart keeps it).
 """
 
 from __future__ import annotations
@@ -141,6 +144,10 @@ class Submission(Base):
     # Fencing and recovery (migration 0003).
     not_before: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     """A retried submission is not claimed before this time (the backoff); ``None``: at once."""
+    # Admission (migration 0005); NULL on rows made before it and on the gateway's.
+    client_address: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    """The client that sent it (:func:`prism_challenge.service.admission.client_key`: an IPv4
+    address, or an IPv6 network): the per-address limit counts these rows."""
 
 
 class Attempt(Base):

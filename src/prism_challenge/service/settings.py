@@ -62,8 +62,38 @@ class ServiceSettings(BaseSettings):
     ss58_prefix: int = Field(42, ge=0, le=16383, description="the SS58 network of hotkeys (42: generic "
                              "Substrate, Bittensor's); an address of another network is refused")
     signature_window_s: int = Field(300, ge=1, description="|now - X-Timestamp| allowed, seconds")
-    rate_limit: int = Field(10, ge=1, description="verified submission requests per hotkey per window")
-    rate_window_s: float = Field(3600.0, gt=0, description="the rate limit's sliding window, seconds")
+    rate_limit: int = Field(10, ge=1, description="accepted submissions per hotkey per window (counted in the "
+                            "database: a restart keeps them; refused requests do not count)")
+    rate_window_s: float = Field(3600.0, gt=0, description="the rate limits' sliding window, seconds")
+    address_rate_limit: int = Field(10, ge=1, description="accepted submissions per client address per window "
+                                    "(an IPv6 address counts by its ipv6_prefix network); the signed route only")
+    ipv6_prefix: int = Field(64, ge=32, le=128, description="IPv6 clients are counted per network of this prefix "
+                             "length (one host usually holds a whole /64)")
+    trusted_proxies: list[str] = Field([], description="addresses or networks (CIDR) of reverse proxies whose "
+                                       "X-Forwarded-For names the client (uvicorn's ProxyHeadersMiddleware); empty: "
+                                       "the connection's peer is the client, forwarded headers are ignored")
+    max_queued: int = Field(100, ge=1, description="pending submissions at most, all hotkeys together (503 "
+                            "queue-full past it)")
+    max_in_flight: int = Field(2, ge=1, description="submissions of one hotkey pending or running at once at most")
+    hotkey_registry: Path | None = Field(None, description="only hotkeys listed here may submit (403 otherwise): "
+                                         "a text file of one SS58 hotkey per line (# comments), or a .json snapshot "
+                                         "of a metagraph (a list of hotkeys, or an object with a 'hotkeys' list); "
+                                         "None: any hotkey")
+    hotkey_registry_refresh_s: float = Field(60.0, gt=0, description="how often the registry file's mtime is "
+                                             "checked (it is read again when it changed), seconds")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's "
+                                    "headers (from its opening, or from the previous response); then it is closed")
+    keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this many "
+                              "seconds (uvicorn's timeout_keep_alive)")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="largest request head in bytes (uvicorn's "
+                                  "h11_max_incomplete_event_size; 400 past it)")
+    check_resources: bool = Field(True, description="at start, refuse to dispatch when the profile's device, GPUs "
+                                  "or data directory are missing where it evaluates; False: start anyway (a cluster "
+                                  "that adds nodes on demand): attempts whose lease is not met fail after "
+                                  "lease_timeout_s")
+    lease_timeout_s: float = Field(600.0, gt=0, description="an attempt whose Ray actor has not started this many "
+                                   "seconds after its launch ends failed (infrastructure), not retried, and /health "
+                                   "reports it")
     internal_token: SecretStr | None = Field(None, description="bearer token of the internal routes; None: they "
                                              "answer 401")
     max_attempts: int = Field(3, ge=1, le=100, description="evaluations of one submission at most (retries of "
@@ -88,6 +118,25 @@ class ServiceSettings(BaseSettings):
         missing = [str(p) for p in value if not Path(p).is_file()]
         if missing:
             raise ValueError(f"no such file: {', '.join(missing)}")
+        return value
+
+    @field_validator("hotkey_registry")
+    @classmethod
+    def _existing_registry(cls, value: Path | None) -> Path | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{value}: no such file (the hotkey registry)")
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for item in value:
+            try:
+                ipaddress.ip_network(item)  # strict, as uvicorn reads it
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (CIDR)") from None
         return value
 
     @field_validator("internal_token")

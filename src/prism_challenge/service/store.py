@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -184,7 +185,8 @@ class Store:
 
     def submit(self, hotkey: str, bundle_sha256: str, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                source_sha256: str | None = None, family_sha256: str | None = None, variant_of: int | None = None,
-               profile: str | None = None) -> int:
+               profile: str | None = None, client_address: str | None = None,
+               admit: Callable[[Session], None] | None = None) -> int:
         """A new ``pending`` submission of ``bundle_sha256`` by ``hotkey`` (the submitter is
         created on first use); returns its id.
 
@@ -193,6 +195,10 @@ class Store:
             family_sha256: sha256 of its normalized ``architecture.py`` (the family).
             variant_of: the id of the family's first submission when this is a training variant.
             profile: the challenge profile it is evaluated under.
+            client_address: the client that sent it (the per-address limit counts these rows).
+            admit: called with the transaction's session before the row is added (the admission
+                limits, :func:`prism_challenge.service.admission.admit`); what it raises
+                refuses the submission and writes nothing.
 
         Raises:
             StoreError: ``max_attempts`` below 1.
@@ -204,11 +210,13 @@ class Store:
         for last in (False, True):  # a hotkey's first two submissions at once: one makes the submitter
             try:
                 with self.sessions.begin() as s:
+                    if admit is not None:
+                        admit(s)
                     submitter = _submitter(s, hotkey, now)
                     row = Submission(submitter_id=submitter.id, bundle_sha256=bundle_sha256, status="pending",
                                      attempts=0, max_attempts=max_attempts, created_at=now, updated_at=now,
                                      source_sha256=source_sha256, family_sha256=family_sha256, variant_of=variant_of,
-                                     profile=profile)
+                                     profile=profile, client_address=client_address)
                     s.add(row)
                     s.flush()
                     return row.id

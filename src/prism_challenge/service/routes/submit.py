@@ -3,15 +3,21 @@
 The order of the checks, cheapest first, each answering its own code: the headers (400) and the
 timestamp window (401), the body read while it streams and cut at the limit (413) or the body
 timeout (408), the signature (401), the nonce (409: recorded only once the signature verified, so
-a forged request cannot burn a nonce), the hotkey's suspension (403 ``suspended``, naming the
-finding and its end: :mod:`prism_challenge.service.findings`; before the rate limit, so a refused
-request is not counted), the hotkey's rate limit (429 with ``Retry-After``: after
-the nonce, so replaying a captured request cannot spend its hotkey's limit), then the intake
-(:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings), the
-duplicate check (409 with the earlier id) and the new ``pending`` row (202). The bundle's
-bytes are stored (:class:`~prism_challenge.service.blobs.BlobStore`) before its row, under the
-sha256 of the zip, which is the row's ``bundle_sha256``: a dispatcher that sees the row finds
-the bytes.
+a forged request cannot burn a nonce), the hotkey registry when the operator keeps one (403
+``not-registered``: :mod:`prism_challenge.service.registry`), the hotkey's suspension (403
+``suspended``, naming the finding and its end: :mod:`prism_challenge.service.findings`), the
+admission limits (:mod:`prism_challenge.service.admission`: 429 with ``Retry-After``, 503
+``queue-full``; after the nonce, so replaying a captured request cannot spend anything), then
+the intake (:mod:`prism_challenge.service.intake`, off the event loop: 422 with the findings),
+and, in one transaction, the duplicate check (409 with the earlier id), the admission limits
+again and the new ``pending`` row (202). The limits count accepted rows only: a refused request
+(a duplicate included) never counts. The bundle's bytes are stored
+(:class:`~prism_challenge.service.blobs.BlobStore`) before its row, under the sha256 of the zip,
+which is the row's ``bundle_sha256``: a dispatcher that sees the row finds the bytes.
+
+The client address of the per-address limit is the connection's peer (rewritten by uvicorn's
+``ProxyHeadersMiddleware`` only for a peer in ``trusted_proxies``); the gateway's route names no
+client address (the gateway answers for its clients: the other limits still hold).
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prism_challenge.evaluator.isolation import IsolationError
+from prism_challenge.service.admission import Limits, admit, client_key
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.families import public_families
 from prism_challenge.service.intake import Intake, IntakeRefused, run_intake
 from prism_challenge.service.models import utcnow
 from prism_challenge.service.queries import duplicate_of, family_root, prune_nonces
-from prism_challenge.service.ratelimit import RateLimiter
 from prism_challenge.service.routes.auth import (
     VERIFIED_HOTKEY,
     check_signature,
@@ -105,14 +111,26 @@ def _check_suspended(state, hotkey: str) -> None:
                    finding=fnd.finding_view(s.findings[0]), suspended_until=until)
 
 
-def _rate(request: Request, hotkey: str) -> None:
-    limiter: RateLimiter = request.app.state.rate_limiter
-    wait = limiter.hit(hotkey)
-    if wait is not None:
-        after = RateLimiter.retry_after(wait)
-        raise ApiError(429, "rate-limited", f"{hotkey}: more than {limiter.limit} submissions in "
-                       f"{limiter.window_s:g} s; retry in {after} s", stage="auth", rule="prism:rate-limit",
-                       headers={"Retry-After": after})
+def _check_listed(state, hotkey: str) -> None:
+    """403 ``not-registered`` when the operator keeps a hotkey registry that does not list ``hotkey``."""
+    registry = state.registry
+    if registry is not None and hotkey not in registry:
+        raise ApiError(403, "not-registered", f"{hotkey} is not in this service's hotkey registry: only registered "
+                       "hotkeys may submit (ask the operator, or register the hotkey on the chain they follow)",
+                       stage="auth", rule="prism:registry")
+
+
+def _admissible(state, hotkey: str, address: str | None) -> None:
+    """The registry, the suspension and the admission limits (read only), before the intake."""
+    _check_listed(state, hotkey)
+    _check_suspended(state, hotkey)
+    with state.store.sessions() as s:
+        admit(s, hotkey, address, Limits.of(state.settings), utcnow())
+
+
+def _address(request: Request) -> str | None:
+    """The client's counted address (:func:`~prism_challenge.service.admission.client_key`)."""
+    return client_key(request.client.host if request.client else None, request.app.state.settings.ipv6_prefix)
 
 
 @router.post("/v1/submissions", status_code=202, summary="submit a bundle (zip body), signed by an sr25519 hotkey",
@@ -126,9 +144,9 @@ async def submit(request: Request) -> JSONResponse:
     check_signature(hotkey, signature, nonce, timestamp, hashlib.sha256(body).hexdigest())
     await anyio.to_thread.run_sync(_use_nonce, request.app.state.store, hotkey, nonce, timestamp,
                                    settings.signature_window_s)  # database writes: off the event loop
-    await anyio.to_thread.run_sync(_check_suspended, request.app.state, hotkey)
-    _rate(request, hotkey)  # after the nonce: a replayed request cannot spend its hotkey's limit
-    return await _accept(request, hotkey, body)
+    address = _address(request)
+    await anyio.to_thread.run_sync(_admissible, request.app.state, hotkey, address)  # after the nonce: a replay
+    return await _accept(request, hotkey, body, address)  # spends nothing
 
 
 def _use_nonce(store, hotkey: str, nonce: str, timestamp: int, window_s: int) -> None:
@@ -154,12 +172,11 @@ async def submit_internal(request: Request) -> JSONResponse:
                        rule="prism:internal-token")
     hotkey = hotkey_header(raw, VERIFIED_HOTKEY, settings.ss58_prefix)
     body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-    await anyio.to_thread.run_sync(_check_suspended, request.app.state, hotkey)
-    _rate(request, hotkey)
-    return await _accept(request, hotkey, body)
+    await anyio.to_thread.run_sync(_admissible, request.app.state, hotkey, None)
+    return await _accept(request, hotkey, body, None)
 
 
-async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
+async def _accept(request: Request, hotkey: str, body: bytes, address: str | None) -> JSONResponse:
     state = request.app.state
     t0 = time.monotonic()
     try:
@@ -172,7 +189,7 @@ async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
                        stage="service", rule="prism:isolation") from None
     finally:
         state.metrics.intake_seconds.observe(time.monotonic() - t0)
-    sid, variant_of = await anyio.to_thread.run_sync(_register, state, hotkey, body, intake)
+    sid, variant_of = await anyio.to_thread.run_sync(_register, state, hotkey, body, intake, address)
     state.metrics.intake.labels("accepted").inc()
     if state.dispatcher is not None and hasattr(state.dispatcher, "wake"):
         state.dispatcher.wake()  # claimed now, not at the end of an idle dispatcher's poll
@@ -183,9 +200,10 @@ async def _accept(request: Request, hotkey: str, body: bytes) -> JSONResponse:
     })
 
 
-def _register(state, hotkey: str, body: bytes, intake: Intake) -> tuple[int, int | None]:
-    """Store the bytes, then the row (a duplicate refused); returns ``(id, variant_of)``."""
-    profile = state.profile.name
+def _register(state, hotkey: str, body: bytes, intake: Intake, address: str | None) -> tuple[int, int | None]:
+    """Store the bytes, then the row (a duplicate refused, then the admission limits checked in
+    the row's transaction); returns ``(id, variant_of)``."""
+    profile, limits = state.profile.name, Limits.of(state.settings)
     with _REGISTER:
         earlier = duplicate_of(state.store, intake.source_sha256, profile)
         if earlier is not None:
@@ -197,7 +215,8 @@ def _register(state, hotkey: str, body: bytes, intake: Intake) -> tuple[int, int
         sha = state.blobs.put(body)
         sid = state.store.submit(hotkey, sha, max_attempts=state.settings.max_attempts,
                                  source_sha256=intake.source_sha256, family_sha256=intake.family_sha256,
-                                 variant_of=variant_of, profile=profile)
+                                 variant_of=variant_of, profile=profile, client_address=address,
+                                 admit=lambda s: admit(s, hotkey, address, limits, utcnow(), lock=True))
     return sid, variant_of
 
 
