@@ -224,3 +224,35 @@ def test_a_request_head_that_never_ends_is_closed_at_the_header_timeout(tmp_path
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a whole head is served
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+
+
+def test_migration_0005_keeps_the_rows_of_0004_which_count_per_hotkey_but_no_address(tmp_path):
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine, text
+
+    from prism_challenge.service.store import MIGRATIONS
+
+    db = tmp_path / "old.sqlite3"
+    engine = create_engine(f"sqlite:///{db}")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    hotkey = _hotkey(_seed(1))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0004")
+        t = (utcnow() - timedelta(seconds=30)).strftime("'%Y-%m-%d %H:%M:%S'")
+        connection.execute(text(f"INSERT INTO submitters VALUES (1, '{hotkey}', {t})"))
+        connection.execute(text("INSERT INTO submissions (id, submitter_id, bundle_sha256, status, attempts, "
+                                f"max_attempts, created_at, updated_at) VALUES (1, 1, 'x', 'pending', 0, 3, {t}, {t})"))
+    engine.dispose()
+    store = Store(f"sqlite:///{db}")
+    try:
+        assert store.submission(1).client_address is None
+        exc = _refusal(store, hotkey, "198.51.100.1", _limits(in_flight=1))
+        assert exc.code == "too-many-in-flight"
+        assert _refusal(store, _hotkey(_seed(2)), "198.51.100.1", _limits(per_address=1)) is None
+        with store.engine.connect() as c:
+            assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0005",)]
+    finally:
+        store.close()
