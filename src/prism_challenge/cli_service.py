@@ -58,9 +58,8 @@ def add_service_parsers(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Apply the migrations, name the profile and serve until interrupted."""
     import pydantic
-    import uvicorn
 
-    from prism_challenge.service.app import check_dispatcher, create_app, server_config
+    from prism_challenge.service.app import check_dispatcher, create_app
     from prism_challenge.service.settings import ServiceSettings
 
     given = {k: getattr(args, k) for k in ("host", "port", "profile", "data_dir", "database_url", "blob_root",
@@ -78,8 +77,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from prism_challenge.certificate import CertificateError
     from prism_challenge.service.settings import default_signing_key_file
 
+    from prism_challenge.service.registry import RegistryError
+
     try:
         app = create_app(settings)
+    except RegistryError as exc:
+        print(f"prism serve: the hotkey registry (hotkey_registry): {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except CertificateError as exc:
         named = settings.signing_key_file
         hint = ("; make one with: openssl genpkey -algorithm ed25519 -out FILE && chmod 600 FILE"
@@ -92,7 +96,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"prism serve: profile {p.name} (sha256 {p.sha256[:12]}), database {app.state.store.url}, "
           f"signing key {app.state.signing['signing_key_id']} ({key_file}), "
           f"http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
-    uvicorn.Server(server_config(app, settings)).run()
+    return _serve(app, settings)
+
+
+def _serve(app: Any, settings: Any) -> int:
+    """Start the dispatcher (before the server: what it cannot run refuses the start in one
+    line, and Ray's signal handlers are in place before uvicorn's take over), then serve until
+    SIGTERM or SIGINT, a clean stop (exit 0)."""
+    import signal
+
+    from prism_challenge.service.app import Server, server_config, start_dispatcher, stop_dispatcher
+    from prism_challenge.service.capacity import CannotEvaluate
+
+    if settings.dispatch:
+        try:
+            start_dispatcher(app)
+        except CannotEvaluate as exc:
+            print(f"prism serve: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    server = Server(server_config(app, settings))
+    try:
+        server.run()
+    finally:
+        stop_dispatcher(app)  # the lifespan stopped it already, unless the server never started
+    for sig in getattr(server, "stopped_by", [])[:1]:
+        print(f"prism serve: stopped ({signal.Signals(sig).name})", file=sys.stderr, flush=True)
     return EXIT_OK
 
 

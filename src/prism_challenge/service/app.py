@@ -163,6 +163,26 @@ def server_config(app: FastAPI, settings: ServiceSettings, **overrides: Any) -> 
     return uvicorn.Config(app, **given)
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, where SIGTERM (systemd's, Docker's, Kubernetes' stop) and SIGINT are
+    both a clean stop: uvicorn's own handlers stop it (the lifespan ends: the dispatcher and its
+    Ray stop), and the signal is then not raised again (uvicorn re-raises it after the
+    shutdown, which the default SIGTERM handler, or Ray's, turns into a death or a traceback).
+    ``stopped_by``: the signal numbers that stopped it, in order."""
+
+    stopped_by: list[int]
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        self.stopped_by = []
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self.stopped_by = list(self._captured_signals)
+                self._captured_signals.clear()
+
+
 def _counted(request: Request, exc: errors.ApiError):
     """:class:`ApiError`'s answer, a refused submission counted by its code first."""
     if request.method == "POST" and request.url.path.endswith("/submissions"):
@@ -170,5 +190,5 @@ def _counted(request: Request, exc: errors.ApiError):
     return exc.response()
 
 
-__all__ = ["check_dispatcher", "create_app", "preload_gate_imports", "server_config", "start_dispatcher",
+__all__ = ["Server", "check_dispatcher", "create_app", "preload_gate_imports", "server_config", "start_dispatcher",
            "stop_dispatcher"]

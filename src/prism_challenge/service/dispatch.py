@@ -51,6 +51,7 @@ from typing import Any
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
 from prism_challenge.results import EvalResult
+from prism_challenge.service.capacity import CannotEvaluate, check_capacity, expire_leases
 from prism_challenge.service.recovery import Reconciled, kill_actor, reconcile
 from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError
 from prism_challenge.service.unstored import LAUNCH_FAILED, WRITE_TRIES, first_line, reason, stand_in, unreachable
@@ -110,6 +111,9 @@ class _Track:
     profile: Profile | None = field(default=None, repr=False)
     refused: int = 0  # rounds the write of ``result`` failed, the database reachable
     replaced: bool = False  # ``result`` is the stand-in of one the database refused (unstored.stand_in)
+    asked: dict | None = None  # the Ray resources its actor asked for
+    launched: float = field(default_factory=time.monotonic)  # when it was launched (or adopted), monotonic s
+    final: bool = False  # its failure is not retried (its lease ran out)
 
 
 @dataclass
@@ -146,15 +150,23 @@ class Dispatcher:
         profiles: profiles known by name besides the shipped ones (name -> loaded profile: the
             operator's own TOML files); a submission's ``profile`` is looked up here first.
         poll_s: how long one round waits for results.
+        check_resources: at :meth:`start`, raise :class:`CannotEvaluate` when the default
+            profile's resources or data are missing (:func:`~prism_challenge.service.capacity.missing`);
+            off: start anyway, :attr:`problem` naming what is missing.
+        lease_timeout_s: an attempt whose actor has not started this many seconds after its
+            launch (no node took its lease) ends ``failed``, ``infrastructure``, not retried;
+            ``None``: it waits for ever.
 
     Raises:
+        CannotEvaluate: (from :meth:`start`) see ``check_resources``.
         ValueError: ``slots`` or ``max_attempts`` below 1.
     """
 
     def __init__(self, store: Store, blobs: Any, *, ray_address: str | None = None, slots: int = DEFAULT_SLOTS,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, backoff_base_s: float = DEFAULT_BACKOFF_S,
                  data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE,
-                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S):
+                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S, check_resources: bool = False,
+                 lease_timeout_s: float | None = None):
         if slots < 1 or max_attempts < 1:
             raise ValueError(f"slots = {slots}, max_attempts = {max_attempts}: each must be at least 1")
         self.store, self.blobs, self.ray_address = store, blobs, ray_address
@@ -173,6 +185,10 @@ class Dispatcher:
         self._last_beat = 0.0
         self._last_reconcile = 0.0
         self.reconciled: Reconciled | None = None  # what the reconcile of start() did
+        self.check_resources, self.lease_timeout_s = check_resources, lease_timeout_s
+        self.problem: str | None = None
+        """Why this dispatcher cannot evaluate now (what :meth:`start` found missing, or the last
+        attempt whose lease ran out), for ``/health``; ``None`` once an attempt's actor starts."""
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -191,6 +207,7 @@ class Dispatcher:
             self._owns_ray = True
         self._remote = ray.remote(Evaluation)
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        check_capacity(self)  # raises CannotEvaluate (check_resources) or sets self.problem
         self.store.dispatcher_beat(self.name, ray_address=self.ray_address)
         self.reconciled = self.reconcile()
         self._stop.clear()
@@ -252,6 +269,7 @@ class Dispatcher:
         for kept in list(self._unlaunched.values()):  # raises while the store is unreachable: still kept
             launched |= self._try_launch(kept)
         self._collect(self.poll_s if self._tracked else 0.0)
+        expire_leases(self)
         while len(self._tracked) + len(self._unlaunched) < self.slots and not self._stop.is_set():
             claim = self.store.claim(worker=self.name)
             if claim is None:
@@ -335,19 +353,19 @@ class Dispatcher:
         job = Job(token=claim.token, submission_id=claim.submission_id, bundle=bundle, profile=profile,
                   data_dir=self.data_dir)
         try:
+            asked = resources_for(profile, self._gpus)
             actor = self._remote.options(name=actor_name(claim.token), namespace=NAMESPACE, lifetime="detached",
-                                         max_restarts=0, max_concurrency=ACTOR_CONCURRENCY,
-                                         **resources_for(profile, self._gpus)).remote(job)
-            self._track(claim, actor, profile)
+                                         max_restarts=0, max_concurrency=ACTOR_CONCURRENCY, **asked).remote(job)
+            self._track(claim, actor, profile, asked)
         except Exception as exc:  # noqa: BLE001 - Ray refused the actor: retried like a lost one
             self._write(claim, failure_result(EvalFailure("dispatch", f"Ray could not create the attempt's actor: "
                                                           f"{type(exc).__name__}: {exc}"), profile=profile))
             return
         log.info("submission %d: attempt %d dispatched (token %s)", claim.submission_id, claim.number, claim.token)
 
-    def _track(self, claim: Claim, actor: Any, profile: Profile | None = None) -> None:
+    def _track(self, claim: Claim, actor: Any, profile: Profile | None = None, asked: dict | None = None) -> None:
         self._tracked[claim.token] = _Track(claim, actor, actor.result.remote(RESULT_WAIT_S), actor.where.remote(),
-                                            profile=profile)
+                                            profile=profile, asked=asked)
 
     def _collect(self, timeout: float) -> None:
         """Write the result of every tracked attempt that ended (waiting up to ``timeout`` s)."""
@@ -377,7 +395,7 @@ class Dispatcher:
             if not t.node_sent and self._node(t):
                 self.store.heartbeat([claim.token], node={claim.token: t.node})
                 t.node_sent = True
-            self._write(claim, t.result)
+            self._write(claim, t.result, final=t.final)
             return True
         except TransitionError:  # no attempt has the token (the row was deleted): nothing to fence
             log.exception("submission %d: attempt %d's result has no attempt to go to", claim.submission_id,
@@ -421,9 +439,9 @@ class Dispatcher:
             return failure_result(EvalFailure("dispatch", f"the attempt's answer is not a result: "
                                               f"{type(exc).__name__}: {str(exc)[:300]}"), profile=t.profile)
 
-    def _write(self, claim: Claim, result: EvalResult) -> None:
+    def _write(self, claim: Claim, result: EvalResult, final: bool = False) -> None:
         done = self.store.record(claim.token, result, backoff_s=backoff_s(claim.number, self.backoff_base_s),
-                                 max_attempts=self.max_attempts)
+                                 max_attempts=claim.number if final else self.max_attempts)
         log.info("submission %d: attempt %d %s -> %s (%s)", claim.submission_id, claim.number, result.status,
                  done.status, done.reason)
 
@@ -440,16 +458,17 @@ def start(state: Any) -> Dispatcher:
     """Start the service's dispatcher from its app state (the hook ``prism serve``'s lifespan
     calls): ``state.store``, ``state.blobs``, ``state.profile`` (loaded) and ``state.settings``
     (``ray_address``, ``slots``, ``max_attempts``, ``data_dir``, ``profile``, and
-    ``retry_backoff_s`` when it has one). Returns the started dispatcher (``stop()`` at shutdown).
+    ``retry_backoff_s``, ``check_resources``, ``lease_timeout_s`` when it has them). Returns the started dispatcher (``stop()`` at shutdown).
     """
     settings, profile = state.settings, state.profile
     data_dir = getattr(settings, "data_dir", None)
     return Dispatcher(state.store, state.blobs, ray_address=settings.ray_address, slots=settings.slots,
-                      max_attempts=settings.max_attempts,
+                      max_attempts=settings.max_attempts, check_resources=getattr(settings, "check_resources", False),
+                      lease_timeout_s=getattr(settings, "lease_timeout_s", None),
                       backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
                       data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
                       profiles={settings.profile: profile, profile.name: profile}).start()
 
 
-__all__ = ["DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
+__all__ = ["CannotEvaluate", "DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
            "resources_for", "start"]

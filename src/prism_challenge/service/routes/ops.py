@@ -15,7 +15,10 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/health", summary="the database answers; whether the dispatcher runs")
 def health(request: Request) -> JSONResponse:
-    """200 ``{"status": "ok", ...}``, or 503 when the database does not answer.
+    """200 ``{"status": "ok", ...}``; 503 ``unhealthy`` when the database does not answer, 503
+    ``cannot-evaluate`` when the dispatcher cannot evaluate (``dispatch_problem`` says why: what
+    it found missing at start with ``check_resources`` off, or the last attempt whose Ray lease
+    ran out, until an attempt's actor starts again: :mod:`prism_challenge.service.capacity`).
 
     ``oldest_unowned``: the non-final submission that has been without an owner the longest
     (:func:`~prism_challenge.service.watch.unowned`: a running attempt whose heartbeat is stale,
@@ -33,9 +36,12 @@ def health(request: Request) -> JSONResponse:
             oldest = {"submission": found[0].submission_id, "status": found[0].status, "age_s": found[0].age_s}
     except Exception as exc:  # noqa: BLE001 - any failure of the database is "unhealthy"
         db = f"{type(exc).__name__}: {exc}"
-    body = {"status": "ok" if db == "ok" else "unhealthy", "database": db, "profile": state.profile.name,
-            "dispatcher": "running" if state.dispatcher is not None else "off", "oldest_unowned": oldest}
-    return JSONResponse(body, status_code=200 if db == "ok" else 503)
+    problem = getattr(state.dispatcher, "problem", None)
+    status = "unhealthy" if db != "ok" else "cannot-evaluate" if problem else "ok"
+    body = {"status": status, "database": db, "profile": state.profile.name,
+            "dispatcher": "running" if state.dispatcher is not None else "off", "dispatch_problem": problem,
+            "oldest_unowned": oldest}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 @router.get("/version", summary="the harness version and the profile evaluated under")
