@@ -67,6 +67,28 @@ def test_missing_names_the_gpus_and_the_data_a_profile_needs(tmp_path):
     assert "PRISM_CHECK_RESOURCES=false" in str(CannotEvaluate("prism-v2", ["GPU: x"]))
 
 
+def test_the_start_check_raises_or_with_check_resources_off_keeps_the_problem(tmp_path, monkeypatch):
+    from prism_challenge.service.capacity import check_capacity
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0}},
+                                               {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 8.0}}])  # a dead node
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite3'}")
+    try:
+        for refuse in (True, False):
+            d = Dispatcher(store, BlobStore(tmp_path / "blobs"), default_profile="prism-v2", check_resources=refuse)
+            if refuse:
+                with pytest.raises(CannotEvaluate) as got:
+                    check_capacity(d)
+                assert [m.split(":")[0] for m in got.value.missing] == ["GPU", "data"]
+                assert "the largest has 0 (1 node(s), 0 in all)" in got.value.missing[0]
+            else:
+                check_capacity(d)
+                assert d.problem.startswith("cannot evaluate profile prism-v2 here: GPU: one attempt (device cuda, "
+                                            "nproc 1) needs 1 on one Ray node")
+    finally:
+        store.close()
+
+
 class _Never:
     """An actor method whose answer never comes (the actor was never scheduled)."""
 

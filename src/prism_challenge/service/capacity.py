@@ -100,7 +100,8 @@ def expire_leases(d: Any) -> None:
     """One dispatcher round's lease check: every tracked attempt whose actor has not started
     (``where()`` unanswered) ``d.lease_timeout_s`` after its launch gets a final
     ``infrastructure`` failure at stage ``dispatch`` (written, and its actor killed, by the
-    round's collect); ``d.problem`` names it until an actor starts again."""
+    round's collect); ``d.problem`` names it until an actor starts again (which also clears
+    what :func:`check_capacity` found missing: a node that has it came)."""
     from prism_challenge.failures import EvalFailure
     from prism_challenge.service.worker import failure_result
 
@@ -109,8 +110,7 @@ def expire_leases(d: Any) -> None:
         if t.result is not None:
             continue
         if t.node is not None or d._node(t) is not None:
-            if d.problem and d.problem.startswith(LEASE_PROBLEM):
-                d.problem = None  # an actor started: leases are met again
+            d.problem = None  # an actor started: leases are met again (a node with what was missing came)
             continue
         if d.lease_timeout_s is None or t.where is None or now - t.launched < d.lease_timeout_s:
             continue
