@@ -458,7 +458,8 @@ def start(state: Any) -> Dispatcher:
     """Start the service's dispatcher from its app state (the hook ``prism serve``'s lifespan
     calls): ``state.store``, ``state.blobs``, ``state.profile`` (loaded) and ``state.settings``
     (``ray_address``, ``slots``, ``max_attempts``, ``data_dir``, ``profile``, and
-    ``retry_backoff_s``, ``check_resources``, ``lease_timeout_s`` when it has them). Returns the started dispatcher (``stop()`` at shutdown).
+    ``retry_backoff_s``, ``check_resources``, ``lease_timeout_s`` when it has them). Returns
+    the started dispatcher (``stop()`` at shutdown).
     """
     settings, profile = state.settings, state.profile
     data_dir = getattr(settings, "data_dir", None)
@@ -470,5 +471,5 @@ def start(state: Any) -> Dispatcher:
                       profiles={settings.profile: profile, profile.name: profile}).start()
 
 
-__all__ = ["CannotEvaluate", "DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled", "backoff_s",
-           "resources_for", "start"]
+__all__ = ["CannotEvaluate", "DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled",
+           "backoff_s", "resources_for", "start"]

@@ -212,6 +212,8 @@ def _register(state, hotkey: str, body: bytes, intake: Intake, address: str | No
                            duplicate_of=earlier)
         public = public_families(tuple(state.settings.public_architectures))
         variant_of = None if intake.family_sha256 in public else family_root(state.store, intake.family_sha256, profile)
+        with state.store.sessions() as s:  # this process's last word before the bytes are kept (no orphan blob)
+            admit(s, hotkey, address, limits, utcnow())
         sha = state.blobs.put(body)
         sid = state.store.submit(hotkey, sha, max_attempts=state.settings.max_attempts,
                                  source_sha256=intake.source_sha256, family_sha256=intake.family_sha256,
