@@ -152,7 +152,7 @@ def test_findings_refuses_a_database_at_an_older_migration(tmp_path, capsys):
     engine.dispose()
     assert main(["findings", "lift", "5Grw", "--database-url", f"sqlite:///{db}"]) == 2
     assert capsys.readouterr().err == (f"prism findings lift: the database sqlite:///{db} is at migration 0003, this "
-                                       "prism needs 0004: start this version's prism serve once, which applies the "
+                                       "prism needs 0005: start this version's prism serve once, which applies the "
                                        "migrations\n")
 
 

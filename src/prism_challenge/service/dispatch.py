@@ -150,9 +150,10 @@ class Dispatcher:
         profiles: profiles known by name besides the shipped ones (name -> loaded profile: the
             operator's own TOML files); a submission's ``profile`` is looked up here first.
         poll_s: how long one round waits for results.
-        check_resources: at :meth:`start`, raise :class:`CannotEvaluate` when the default
-            profile's resources or data are missing (:func:`~prism_challenge.service.capacity.missing`);
-            off: start anyway, :attr:`problem` naming what is missing.
+        check_resources: ``True``: at :meth:`start`, raise :class:`CannotEvaluate` when the
+            default profile's resources or data are missing
+            (:func:`~prism_challenge.service.capacity.missing`); ``False``: start anyway,
+            :attr:`problem` naming what is missing; ``None``: no check.
         lease_timeout_s: an attempt whose actor has not started this many seconds after its
             launch (no node took its lease) ends ``failed``, ``infrastructure``, not retried;
             ``None``: it waits for ever.
@@ -165,7 +166,7 @@ class Dispatcher:
     def __init__(self, store: Store, blobs: Any, *, ray_address: str | None = None, slots: int = DEFAULT_SLOTS,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, backoff_base_s: float = DEFAULT_BACKOFF_S,
                  data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE,
-                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S, check_resources: bool = False,
+                 profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S, check_resources: bool | None = None,
                  lease_timeout_s: float | None = None):
         if slots < 1 or max_attempts < 1:
             raise ValueError(f"slots = {slots}, max_attempts = {max_attempts}: each must be at least 1")
@@ -207,7 +208,8 @@ class Dispatcher:
             self._owns_ray = True
         self._remote = ray.remote(Evaluation)
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
-        check_capacity(self)  # raises CannotEvaluate (check_resources) or sets self.problem
+        if self.check_resources is not None:
+            check_capacity(self)  # raises CannotEvaluate (check_resources) or sets self.problem
         self.store.dispatcher_beat(self.name, ray_address=self.ray_address)
         self.reconciled = self.reconcile()
         self._stop.clear()
@@ -464,7 +466,7 @@ def start(state: Any) -> Dispatcher:
     settings, profile = state.settings, state.profile
     data_dir = getattr(settings, "data_dir", None)
     return Dispatcher(state.store, state.blobs, ray_address=settings.ray_address, slots=settings.slots,
-                      max_attempts=settings.max_attempts, check_resources=getattr(settings, "check_resources", False),
+                      max_attempts=settings.max_attempts, check_resources=getattr(settings, "check_resources", None),
                       lease_timeout_s=getattr(settings, "lease_timeout_s", None),
                       backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
                       data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
