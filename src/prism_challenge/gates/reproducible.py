@@ -46,6 +46,13 @@ ORDER_FREE_BUILTINS = frozenset({"builtins.len", "builtins.sorted", "builtins.se
                                  "builtins.bool", "builtins.isinstance"})
 """Builtins that may take a set: their result does not depend on the iteration order."""
 
+COPY_BUILTINS = frozenset({"builtins.list", "builtins.tuple"})
+"""Builtins that copy an iterable in its order: fine only when what takes the copy ignores it."""
+
+ORDER_FREE_CONSUMERS = frozenset({"builtins.len", "builtins.sorted", "builtins.set", "builtins.frozenset",
+                                  "builtins.bool"})
+"""Builtins whose result ignores the order of their first argument (``sorted`` without ``key``)."""
+
 SET_RESULT_METHODS = frozenset({"union", "intersection", "difference", "symmetric_difference", "copy"})
 """Set methods whose result is again a set."""
 
@@ -83,14 +90,48 @@ class SetOrderChecks:
         if isinstance(func, ast.Attribute) and func.attr in ORDER_FREE_METHODS and self.set_valued(func.value):
             return
         if self.q(func) and self.q(func) <= ORDER_FREE_BUILTINS:
+            if self.q(func) == {"builtins.sorted"} and any(k.arg == "key" for k in node.keywords) and node.args:
+                self._refuse_set(node.args[0], "sorted(..., key=...): ties keep the set's order")
+            return
+        if self._copied_for_order_free(node):
             return
         for arg in [*node.args, *(k.value for k in node.keywords)]:
             if not isinstance(arg, ast.Starred):  # a starred set is refused as unpacking
                 self._refuse_set(arg, f"passing it to {_callee(func)}")
 
+    def _copied_for_order_free(self, node: ast.Call) -> bool:
+        """Whether ``node`` is ``list(x)`` or ``tuple(x)`` (one positional argument) whose result
+        goes straight into an order-free consumer: ``sorted(list(s))`` (no ``key``), ``len``,
+        ``set``, ``frozenset``, ``bool``, possibly through more such copies
+        (``sorted(tuple(list(s)))``). The copy is in hash order, but nothing sees that order."""
+        for _ in range(MAX_DEPTH):
+            if not (self.q(node.func) <= COPY_BUILTINS and self.q(node.func)
+                    and len(node.args) == 1 and not node.keywords and not isinstance(node.args[0], ast.Starred)):
+                return False
+            parent = self.parent(node)
+            if not (isinstance(parent, ast.Call) and parent.args and parent.args[0] is node):
+                return False
+            q = self.q(parent.func)
+            if q and q <= ORDER_FREE_CONSUMERS and not any(k.arg == "key" for k in parent.keywords):
+                return True
+            node = parent
+        return False
+
     def _refuse_set(self, expr: ast.AST, how: str) -> None:
-        if self.set_valued(expr):
+        if self.set_valued(expr) and not self._in_assert_message(expr):
             self.add(SET_ORDER, expr, f"a set is iterated in hash order ({how}): " + _HINT)
+
+    def _in_assert_message(self, node: ast.AST) -> bool:
+        """Whether ``node`` lies in the message of an ``assert`` (``assert not s, str(s)``) of a
+        module that catches no ``AssertionError``: the message is built only when the assertion
+        fails, and then the error ends the run, so its order reaches nothing."""
+        child, parent = node, self.parent(node)
+        while parent is not None and not isinstance(parent, ast.Assert):
+            child, parent = parent, self.parent(parent)
+        if not (isinstance(parent, ast.Assert) and parent.msg is child):
+            return False
+        return not any(isinstance(h, ast.ExceptHandler) and _may_catch_assertion(h.type)
+                       for h in ast.walk(self.info.tree))
 
     def set_valued(self, node: ast.AST, depth: int = 0) -> bool:
         """Whether ``node`` evaluates to a set or frozenset the gate must treat as unordered."""
@@ -135,6 +176,18 @@ class SetOrderChecks:
 
 _HINT = ("the order of tensors, parameters and modules in a set is their memory addresses, which "
          "differ between runs; keep a list (or a dict), or iterate sorted(...) of names")
+
+
+def _may_catch_assertion(kind: ast.AST | None) -> bool:
+    """Whether an ``except`` clause of this type may catch an ``AssertionError``: a bare
+    ``except``, ``AssertionError``, ``Exception``, ``BaseException``, or anything the gate cannot
+    name (a tuple holding one of those, a variable)."""
+    if kind is None:
+        return True
+    if isinstance(kind, ast.Tuple):
+        return any(_may_catch_assertion(e) for e in kind.elts)
+    name = kind.id if isinstance(kind, ast.Name) else None
+    return name is None or name in ("AssertionError", "Exception", "BaseException")
 
 
 def _callee(func: ast.AST) -> str:
