@@ -31,6 +31,7 @@ followed: the rule catches the direct idiom, not a program built to hide one.
 from __future__ import annotations
 
 import ast
+import builtins
 
 from prism_challenge.gates.astindex import lookup
 
@@ -130,8 +131,21 @@ class SetOrderChecks:
             child, parent = parent, self.parent(parent)
         if not (isinstance(parent, ast.Assert) and parent.msg is child):
             return False
-        return not any(isinstance(h, ast.ExceptHandler) and _may_catch_assertion(h.type)
+        return not any(isinstance(h, ast.ExceptHandler) and self._may_catch_assertion(h.type)
                        for h in ast.walk(self.info.tree))
+
+    def _may_catch_assertion(self, kind: ast.AST | None) -> bool:
+        """Whether an ``except`` clause of this type may catch an ``AssertionError``: anything
+        but a builtin exception class (the name resolving to the builtin) that is not
+        ``AssertionError`` or one of its bases; a tuple when any member may."""
+        if kind is None:
+            return True
+        if isinstance(kind, ast.Tuple):
+            return any(self._may_catch_assertion(e) for e in kind.elts)
+        q = self.q(kind)
+        cls = getattr(builtins, next(iter(q))[len("builtins."):], None) if len(q) == 1 and next(
+            iter(q)).startswith("builtins.") else None
+        return not (isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(AssertionError, cls))
 
     def set_valued(self, node: ast.AST, depth: int = 0) -> bool:
         """Whether ``node`` evaluates to a set or frozenset the gate must treat as unordered."""
@@ -176,18 +190,6 @@ class SetOrderChecks:
 
 _HINT = ("the order of tensors, parameters and modules in a set is their memory addresses, which "
          "differ between runs; keep a list (or a dict), or iterate sorted(...) of names")
-
-
-def _may_catch_assertion(kind: ast.AST | None) -> bool:
-    """Whether an ``except`` clause of this type may catch an ``AssertionError``: a bare
-    ``except``, ``AssertionError``, ``Exception``, ``BaseException``, or anything the gate cannot
-    name (a tuple holding one of those, a variable)."""
-    if kind is None:
-        return True
-    if isinstance(kind, ast.Tuple):
-        return any(_may_catch_assertion(e) for e in kind.elts)
-    name = kind.id if isinstance(kind, ast.Name) else None
-    return name is None or name in ("AssertionError", "Exception", "BaseException")
 
 
 def _callee(func: ast.AST) -> str:
