@@ -16,10 +16,14 @@ of a bundle differed, 3.3719 vs 3.3722 bpb, and 3.324 vs 3.309). Two sources the
 The gate cannot see what a set holds, so it refuses every order-dependent use of a set-valued
 expression except a literal set of constants (a ``str``'s hash is fixed by the harness's
 ``PYTHONHASHSEED=0``, an ``int``'s is its value). Order-free uses stay allowed: ``len``,
-membership, ``sorted(...)``, the set algebra (``|``, ``&``, ``-``, ``^`` and the methods), and
-building another set. Order-dependent uses are refused: a ``for`` or a comprehension over it,
-unpacking it (``*s``), ``s.pop()``, ``yield from s``, and passing it to any other call (``list``,
-``tuple``, ``sum``, ``enumerate``, an optimizer, a function of the bundle's own).
+membership, ``sorted(...)`` without ``key`` (with one, equal keys keep the set's order), the set
+algebra (``|``, ``&``, ``-``, ``^`` and the methods), building another set, a ``list``/``tuple``
+copy that goes straight into one of those (minGPT's ``sorted(list(decay))``), and any use in an
+``assert``'s message in a module that catches no ``AssertionError`` (the message is built only
+when the run ends with the error). Order-dependent uses are refused: a ``for`` or a
+comprehension over it, unpacking it (``*s``), ``s.pop()``, ``yield from s``, and passing it to
+any other call (``list``, ``tuple``, ``sum``, ``enumerate``, an optimizer, a function of the
+bundle's own).
 
 Set-valued expressions: ``set(...)``, ``frozenset(...)``, a set display or comprehension, the
 set algebra on one of them (including ``dict.keys() - s``), a name whose binding in its scope is
