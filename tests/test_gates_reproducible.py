@@ -108,3 +108,11 @@ def test_a_set_in_an_assert_message_passes_unless_the_module_catches_assertion_e
     for kind in ("AssertionError", "Exception", "(KeyError, BaseException)", "ERRORS"):
         assert findings(ASSERTED + catch.format(kind)) == [("prism:set-order", 6)], kind
     assert findings(ASSERTED + "def g():\n    try:\n        pass\n    except:\n        pass\n") == [("prism:set-order", 6)]
+
+
+def test_a_set_in_an_assert_message_is_refused_when_another_module_or_a_context_manager_may_see_the_error():
+    _, found = scan({"architecture.py": HEAD + ASSERTED,
+                     "training.py": "def train(ctx):\n    try:\n        pass\n    except Exception:\n        pass\n"})
+    assert [(f.rule, f.file, f.line) for f in found] == [("prism:set-order", "architecture.py", 6)]
+    swallow = "class Quiet:\n    def __enter__(self):\n        return self\n    def __exit__(self, *exc):\n        return True\n"
+    assert findings(ASSERTED + swallow) == [("prism:set-order", 6)]

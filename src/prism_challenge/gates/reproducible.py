@@ -74,7 +74,8 @@ class SetOrderChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: ``prism:set-order`` for each
     order-dependent use of a set-valued expression (see the module docstring).
 
-    The host class provides ``info`` (the module), ``q(node)`` (canonical qualified names) and
+    The host class provides ``index`` and ``info`` (the bundle and the module; it is built as
+    ``type(self)(index, info)``), ``q(node)`` (canonical qualified names), ``parent(node)`` and
     ``add(rule, node, message)``; :meth:`order_check` is called on every node of the module."""
 
     _set_attrs: frozenset[str] | None = None
@@ -128,15 +129,22 @@ class SetOrderChecks:
 
     def _in_assert_message(self, node: ast.AST) -> bool:
         """Whether ``node`` lies in the message of an ``assert`` (``assert not s, str(s)``) of a
-        module that catches no ``AssertionError``: the message is built only when the assertion
-        fails, and then the error ends the run, so its order reaches nothing."""
+        bundle that catches no ``AssertionError`` (no ``except`` that may, in any of its modules,
+        and no ``__exit__`` of its own): the message is built only when the assertion fails, and
+        then the error ends the run, so its order reaches nothing."""
         child, parent = node, self.parent(node)
         while parent is not None and not isinstance(parent, ast.Assert):
             child, parent = parent, self.parent(parent)
         if not (isinstance(parent, ast.Assert) and parent.msg is child):
             return False
-        return not any(isinstance(h, ast.ExceptHandler) and self._may_catch_assertion(h.type)
-                       for h in ast.walk(self.info.tree))
+        for info in self.index.modules.values():  # the error may be caught in any module of the bundle
+            checker = self if info is self.info else type(self)(self.index, info)
+            for n in ast.walk(info.tree):
+                if isinstance(n, ast.ExceptHandler) and checker._may_catch_assertion(n.type):
+                    return False
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in ("__exit__", "__aexit__"):
+                    return False  # a context manager of the bundle's sees the error, and may swallow it
+        return True
 
     def _may_catch_assertion(self, kind: ast.AST | None) -> bool:
         """Whether an ``except`` clause of this type may catch an ``AssertionError``: anything
