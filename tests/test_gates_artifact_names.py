@@ -48,6 +48,9 @@ def test_integers_formatted_into_a_name_under_artifacts_dir_pass(pre, path):
     ("    pass\n", 'f"{ctx.artifacts_dir}/c_{str}.pt"'),
     ("    step = 1\n", 'f"{ctx.artifacts_dir}/c_{str(step)}.pt"'),
     ("    step = 1\n", 'ctx.artifacts_dir + "/" + f"{step:d}" + "/../x"'),
+    ("    range = lambda n: ['..']\n    for step in range(3):\n        pass\n", 'f"{ctx.artifacts_dir}/c_{step}.pt"'),
+    ("    int = lambda x: '..'\n", 'f"{ctx.artifacts_dir}/c_{int(ctx)}.pt"'),
+    ("    str = lambda x: '..'\n    step = 1\n", 'ctx.artifacts_dir + "/c_" + str(step)'),
 ])
 def test_anything_else_in_a_name_is_refused(pre, path):
     assert torch_io(pre, path) == ["prism:torch-io"]
