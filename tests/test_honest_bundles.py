@@ -1,7 +1,7 @@
 """The false-positive suite (issue 26): honest idioms of real training code must score cleanly.
 
 ``tests/honest_bundles/base`` is a tiny causal GPT over bytes with an AdamW loop; every other
-folder there replaces its ``architecture.py`` and/or ``training.py`` with one idiom (dropout,
+folder there replaces its ``architecture.py``, ``training.py`` and/or ``prism.yaml`` with one idiom (dropout,
 BatchNorm, RoPE caches, minGPT's ``configure_optimizers``, checkpoints under formatted names,
 ``AveragedModel``, ...; each file's docstring says which). The gates must admit every one
 (one fast test), and every one must score end to end with no flag, the audit passed and a
@@ -36,7 +36,7 @@ def test_the_suite_holds_at_least_thirty_idioms():
     assert len(IDIOMS) >= 30, IDIOMS
     for idiom in IDIOMS:
         files = {f.name for f in (HONEST / idiom).iterdir()}
-        assert files and files <= {"architecture.py", "training.py"}, (idiom, files)
+        assert files and files <= {"architecture.py", "training.py", "prism.yaml"}, (idiom, files)
 
 
 def test_the_gates_admit_every_honest_idiom(tmp_path):
