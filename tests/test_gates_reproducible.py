@@ -78,3 +78,41 @@ def test_order_free_uses_and_lists_pass(body):
 
 def test_rules_are_described():
     assert "set" in RULES["prism:set-order"] and "time" in RULES["prism:wall-clock"]
+
+
+@pytest.mark.parametrize("expr", [
+    "sorted(list(s))", "sorted(tuple(s))", "len(list(s))", "set(tuple(s))", "sorted(list(tuple(s)))",
+    "sorted(list(s), reverse=True)", "bool(list(s))", "sorted(s)", "len(s)", "m in s",
+])
+def test_an_order_free_wrapper_around_a_copy_of_a_set_passes(expr):
+    # minGPT: [param_dict[pn] for pn in sorted(list(decay))]
+    assert findings(f"def f(m):\n    s = set(m.parameters())\n    return {expr}\n") == []
+
+
+@pytest.mark.parametrize("expr", [
+    "list(s)", "tuple(s)", "[p for p in s]", "sorted([p for p in s])", "sorted(s, key=lambda p: p.numel())",
+    "sorted(list(s), key=lambda p: p.numel())", "enumerate(list(s))", "sum(list(s))", "max(s)",
+])
+def test_a_copy_of_a_set_whose_order_is_seen_is_refused(expr):
+    assert findings(f"def f(m):\n    s = set(m.parameters())\n    return {expr}\n") == [("prism:set-order", 6)]
+
+
+ASSERTED = ("def f(m, names):\n    decay = set(names)\n"
+            "    assert not decay & {'x'}, 'both: %s' % (str(decay & {'x'}),)\n    return sorted(decay)\n")
+
+
+def test_a_set_in_an_assert_message_passes_unless_the_module_catches_assertion_errors():
+    assert findings(ASSERTED) == []  # the message is built only when the run ends with the error
+    catch = "def g():\n    try:\n        pass\n    except {}:\n        pass\n"
+    assert findings(ASSERTED + catch.format("ValueError")) == []
+    for kind in ("AssertionError", "Exception", "(KeyError, BaseException)", "ERRORS"):
+        assert findings(ASSERTED + catch.format(kind)) == [("prism:set-order", 6)], kind
+    assert findings(ASSERTED + "def g():\n    try:\n        pass\n    except:\n        pass\n") == [("prism:set-order", 6)]
+
+
+def test_a_set_in_an_assert_message_is_refused_when_another_module_or_a_context_manager_may_see_the_error():
+    _, found = scan({"architecture.py": HEAD + ASSERTED,
+                     "training.py": "def train(ctx):\n    try:\n        pass\n    except Exception:\n        pass\n"})
+    assert [(f.rule, f.file, f.line) for f in found] == [("prism:set-order", "architecture.py", 6)]
+    swallow = "class Quiet:\n    def __enter__(self):\n        return self\n    def __exit__(self, *exc):\n        return True\n"
+    assert findings(ASSERTED + swallow) == [("prism:set-order", 6)]

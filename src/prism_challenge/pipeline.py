@@ -296,7 +296,7 @@ def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
     t0 = time.monotonic()
     try:
         report = run_gates(root, max_parameters=opts.max_parameters, nproc=opts.nproc, nnodes=opts.nnodes,
-                           seq_len=opts.seq_len, check_params=False)
+                           seq_len=opts.seq_len, check_params=False, device=opts.device)
     except BundleError as exc:
         raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
     report.cleanup()  # a directory bundle: nothing was extracted

@@ -337,7 +337,8 @@ def test_a_path_escaping_the_artifacts_dir_is_refused_with_the_rule_spelled_out(
     report = run_gates(write_bundle(tmp_path, {"architecture.py": src}), check_params=False)
     (f,) = [f for f in report.findings if f.rule == "prism:torch-io"]
     assert f.message == ("torch.save writes a path the gate cannot prove is inside ctx.artifacts_dir (allowed: "
-                         "ctx.artifacts_dir, optionally + string literals starting with '/' and holding no '..')")
+                         "ctx.artifacts_dir, optionally + string literals starting with '/' and holding no '..', "
+                         "and integers: {step:06d}, str(int(step)))")
 
 
 def test_syntax_error_reports_line_and_column(tmp_path):

@@ -55,6 +55,14 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-params", action="store_true", help="skip the parameter count")
     p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default=None,
+        help="the device the run will use (default: the profile's, else cpu); on cuda, the ops that raise "
+        "under forced determinism on CUDA only are advisories (prism:cuda-determinism)",
+    )
+    p.add_argument("--profile", default=None, help="a challenge profile (name or file): its device, unless --device")
+    p.add_argument(
         "--isolation",
         choices=("strict", "none"),
         default="strict",
@@ -65,8 +73,27 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, else the ``--profile``'s device, else ``"cpu"``.
+
+    Raises:
+        ValueError: the profile cannot be loaded (the message names the file and field)."""
+    if args.device is not None:
+        return args.device
+    if args.profile is not None:
+        from prism_challenge.profiles import load_profile
+
+        return str(load_profile(args.profile).options["device"])
+    return "cpu"
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Run ``prism check`` for parsed ``args``; print the report; return the exit status."""
+    try:
+        device = _device(args)
+    except ValueError as exc:  # ProfileError is a ValueError
+        _print_unreadable(args, "prism:usage", str(exc))
+        return EXIT_UNREADABLE
     try:
         report = run_gates(
             args.bundle,
@@ -78,6 +105,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             check_params=not args.no_params,
             isolation=args.isolation,
+            device=device,
         )
     except BundleError as exc:
         _print_unreadable(args, exc.rule, str(exc))

@@ -33,6 +33,7 @@ from prism_challenge.frozen import freeze
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.complexity import deepest, guarded
 from prism_challenge.gates.contract import check_contract, launch_findings
+from prism_challenge.gates.cudadeterminism import cuda_determinism_findings, is_cuda
 from prism_challenge.gates.findings import Finding, GateReport
 from prism_challenge.gates.ownmodules import is_own_module, with_not_a_package
 from prism_challenge.gates.rules import CONTRACT_RULES
@@ -74,6 +75,7 @@ def run_gates(
     check_params: bool = True,
     limits: IntakeLimits = IntakeLimits(),
     isolation: str = "strict",
+    device: str | None = None,
 ) -> GateReport:
     """Run every gate over a bundle directory or ``.zip``; execute nothing but the bounded
     parameter-count child.
@@ -93,6 +95,10 @@ def run_gates(
         seq_len: ``ctx.sequence_length`` for ``build_model``.
         check_params: whether to run the parameter-count child at all.
         limits: intake limits.
+        device: the device the run will use (``"cpu"``, ``"cuda"``, ``"auto"``; ``None``: not
+            said). On CUDA, each call of an op that raises under forced determinism on CUDA
+            only is an advisory ``prism:cuda-determinism`` finding
+            (:mod:`prism_challenge.gates.cudadeterminism`).
 
     Returns:
         the report. For a ``.zip`` whose ``prism.yaml`` parsed, ``report.bundle.root`` lies in a
@@ -123,6 +129,7 @@ def run_gates(
             seq_len=seq_len,
             check_params=check_params,
             isolation=isolation,
+            device=device,
         )
     except BaseException:
         frozen.remove()
@@ -158,6 +165,7 @@ def _gate(
     seq_len: int,
     check_params: bool,
     isolation: str,
+    device: str | None = None,
 ) -> GateReport:
     findings = list(request)
     hashes = hash_tree(root)
@@ -206,6 +214,8 @@ def _gate(
 
     entry_files = [(ep.file, what) for ep, what in entries.values()]
     findings.extend(_checked(modules, bundle, trees, nproc, hashes, entry_files))
+    if is_cuda(device):
+        findings.extend(_cuda_determinism(modules, trees))
 
     if bundle is not None and vocab_size is None:
         vocab_size = tokenizer_vocab_size(bundle.tokenizer)
@@ -258,6 +268,21 @@ def _checked(
         out.extend(found or [])
         if failed is not None:
             out.append(failed)
+    return out
+
+
+def _cuda_determinism(modules: list[ModuleInfo], trees: dict[str, ast.Module]) -> list[Finding]:
+    """Advisories for the ops that raise under forced determinism on CUDA only; a module the
+    scan fails on (it never should) is skipped: these findings only warn."""
+    from prism_challenge.gates.sandbox import Checker
+
+    index, _ = guarded("", lambda: 0, lambda: BundleIndex(modules))
+    out: list[Finding] = []
+    for info in modules if index is not None else []:
+        if info.rel in trees:
+            found, _ = guarded(info.rel, lambda: 0,
+                               lambda i=info: cuda_determinism_findings(Checker(index, i), trees[i.rel], i.rel))
+            out.extend(found or [])
     return out
 
 

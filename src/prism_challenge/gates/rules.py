@@ -59,6 +59,7 @@ FINDING_RULES: dict[str, str] = {
     "prism:not-allowlisted": "a path on an allowed module, or an attribute name, that is not on gates/allowlist.toml",
     "prism:too-complex": "a file too deeply nested (or too large) for the gate to parse or check",
     "prism:wall-clock": "the wall clock or a profiler (time, datetime, timeit, torch.profiler, torch.cuda.Event)",
+    "prism:cuda-determinism": "an op that raises under forced determinism on CUDA only (advisory, under a CUDA device)",
     "prism:set-order": "iterating a set or frozenset (its order is its elements' hashes: memory addresses for tensors)",
     # multi-GPU contract
     "prism:ddp-init": "training.py never initializes the process group",

@@ -75,6 +75,7 @@ from prism_challenge.gates.astindex import (
     lookup,
 )
 from prism_challenge.gates.allowcheck import AllowlistChecks
+from prism_challenge.gates.artifactpath import template
 from prism_challenge.gates.bindings import BindingChecks
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_path, load_allowlist
 from prism_challenge.gates.complexity import PARSER_LIMITS, busiest_line, describe, guarded, nesting_finding, too_complex
@@ -1164,7 +1165,7 @@ class Checker(AllowlistChecks, BindingChecks, SetOrderChecks):
             verb = "writes" if is_save else "reads"
             self.add(TORCH_IO, call, f"{q} {verb} a path the gate cannot prove is inside ctx.artifacts_dir "
                                      f"(allowed: ctx.artifacts_dir, optionally + string literals starting with "
-                                     f"'/' and holding no '..')")
+                                     f"'/' and holding no '..', and integers: {{step:06d}}, str(int(step)))")
         if not is_save:
             for kw in call.keywords:
                 if kw.arg == "weights_only" and not (
@@ -1179,8 +1180,10 @@ def artifacts_path(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
     """Whether a path expression is built from ``ctx.artifacts_dir``.
 
     Accepted: ``ctx.artifacts_dir`` itself (``ctx`` resolving to the context and nothing else),
-    optionally followed (``+`` or an f-string) by string literals that together start with
-    ``/`` and hold no ``..``; or a function-local name every binding of which is accepted.
+    optionally followed (``+`` or an f-string) by string literals and integers
+    (:mod:`prism_challenge.gates.artifactpath`: ``{step:06d}``, ``str(int(x))``, a loop index
+    over ``range``) that together, each integer read as ``0``, start with ``/`` and hold no
+    ``..``; or a function-local name every binding of which is accepted.
     """
     if depth > 8:
         return False
@@ -1210,10 +1213,9 @@ def artifacts_path(node: ast.AST, checker: Checker, depth: int = 0) -> bool:
         return False
     if not artifacts_path(parts[0], checker, depth + 1):
         return False
-    texts = [p.value for p in parts[1:] if isinstance(p, ast.Constant) and isinstance(p.value, str)]
-    if len(texts) != len(parts) - 1:
+    suffix = template(parts[1:], checker)  # integers as "0": they hold no '/' and no '.'
+    if suffix is None:
         return False
-    suffix = "".join(texts)
     return not suffix or (suffix.startswith("/") and ".." not in suffix and "\0" not in suffix)
 
 
