@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -130,7 +131,8 @@ def test_near_misses_of_the_nvml_load_are_refused(policy, case):
     elif case == "library_path":
         args = (os.path.join(policy.test_art, "libnvidia-ml.so.1"),)
     elif case == "bundle_frame":  # the bundle opens it itself
-        frame = stack((CTYPES, "__init__"), (os.path.join(policy.test_bundle, "architecture.py"), "_raw_device_count_nvml"))
+        frame = stack((CTYPES, "__init__"),
+                      (os.path.join(policy.test_bundle, "architecture.py"), "_raw_device_count_nvml"))
     elif case == "other_torch_function":
         frame = nvml_stack(policy, "device_count")
     elif case == "bundle_copy_of_torch":  # a file that looks like torch's, in the bundle
@@ -244,7 +246,8 @@ def test_near_misses_of_tritons_programs_are_refused(policy, case):
         argv = ["/sbin/ldconfig", "-p", "-C", "/tmp/cache"]
     elif case == "ldconfig_from_the_bundle":
         argv = ["/sbin/ldconfig", "-p"]
-        frame = stack((SUBPROCESS, "_execute_child"), (os.path.join(policy.test_bundle, "architecture.py"), "f"), (ENTRY, "_compile"))
+        frame = stack((SUBPROCESS, "_execute_child"), (os.path.join(policy.test_bundle, "architecture.py"), "f"),
+                      (ENTRY, "_compile"))
     elif case == "ldconfig_outside_a_compilation":
         argv, frame = ["/sbin/ldconfig", "-p"], triton_stack(policy, "backends/nvidia/driver.py", entry=False)
     elif case == "ptxas_from_tmp":
@@ -277,6 +280,23 @@ def test_tritons_cache_is_the_harness_folder_and_only_the_compiler_writes_and_lo
         assert policy.rule("import", ("__triton_launcher", elsewhere, None, None, None), compiling) == "no-native-load"
 
 
+def test_triton_reads_back_the_launcher_it_built_in_a_temporary_folder_and_nothing_else(policy):
+    built = "/tmp/tmpk2x9/__triton_launcher.cpython-311-x86_64-linux-gnu.so"
+    opened = (built, "rb", 0)
+    assert policy.rule("open", opened, triton_stack(policy, "runtime/build.py")) is None
+    assert policy.rule("open", opened, triton_stack(policy, "backends/nvidia/driver.py")) is None  # Triton < 3.3
+    refused = [
+        policy.rule("open", opened, triton_stack(policy, "knobs.py")),  # another Triton file
+        policy.rule("open", opened, triton_stack(policy, "runtime/build.py", entry=False)),  # no compilation
+        policy.rule("open", opened, stack((os.path.join(policy.test_bundle, "architecture.py"), "f"), (ENTRY, "c"))),
+        policy.rule("open", ("/tmp/a/b/evil.so", "rb", 0), triton_stack(policy, "runtime/build.py")),
+        policy.rule("open", ("/tmp/tmpk2x9/evil.py", "rb", 0), triton_stack(policy, "runtime/build.py")),
+        policy.rule("open", (os.path.join(policy.test_art, "x", "evil.so"), "rb", 0),
+                    triton_stack(policy, "runtime/build.py")),
+    ]
+    assert refused == ["no-code-outside-install"] * 6
+
+
 def test_the_harness_sets_tritons_cache_and_keeps_only_the_hosts_libcuda_path(monkeypatch):
     host = {"TRITON_LIBCUDA_PATH": "/usr/local/nvidia/lib64", "TRITON_CACHE_DIR": "/home/me/.triton",
             "TRITON_PTXAS_PATH": "/tmp/ptxas", "TRITON_HOME": "/tmp"}
@@ -305,9 +325,6 @@ def test_cuda_limits_have_a_cgroup_byte_limit_and_no_address_space_cap():
         None, 20 << 30, 20 << 30, 64)
     assert (cpu.address_space_bytes, cpu.cgroup_bytes()) == (20 << 30, 20 << 30)
     assert Limits(address_space_bytes=5).cgroup_bytes() == 5 and Limits().cgroup_bytes() is None
-    assert all(res != 9 for res, _ in cuda.rlimits())  # resource.RLIMIT_AS is 9 on Linux
-    import resource
-
     assert resource.RLIMIT_AS not in dict(cuda.rlimits()) and dict(cpu.rlimits())[resource.RLIMIT_AS] == 20 << 30
 
 

@@ -433,6 +433,8 @@ class _Policy:
                 return None
             if kind == "bundle" and type(args[0]) in (str, bytes) and not os.path.isabs(args[0]):
                 return "no-relative-path"  # relative to a dir_fd the event does not show, perhaps
+            if compiling and not writing and kind == "install" and self.triton_build_read(args[0], first):
+                return None
             return self.path_rule(args[0], writing, compiling, kind == "install")
         if event == "import":
             filename = _plain(args[1]) if len(args) > 1 and args[1] is not None else None
@@ -470,6 +472,19 @@ class _Policy:
         if kind != "install" or first is None:
             return False
         return gpuadmit.torch_nvml(event, args, self.in_site(first.f_code.co_filename), first.f_code.co_name)
+
+    def triton_build_read(self, path: Any, first: Any) -> bool:
+        """Whether opening ``path`` for reading is Triton copying the launcher it just built in a
+        temporary folder into its cache, from its own frame ``first``:
+        :func:`~prism_challenge.evaluator.gpuadmit.triton_build_output`."""
+        path = _plain(path)
+        if type(path) is not str or first is None:
+            return False
+        real = os.path.realpath(path)
+        if _under(real, self.hidden) or real.startswith(self.cache):
+            return False
+        temp = os.path.realpath(tempfile.gettempdir()).rstrip(os.sep) + os.sep
+        return gpuadmit.triton_build_output(real, self.in_site(first.f_code.co_filename), temp)
 
     def in_site(self, path: str) -> str | None:
         """``path`` (resolved) relative to the site directory that holds it, with ``/``

@@ -7,8 +7,9 @@ has a one-line reason in :data:`ENV_KEEP` or :data:`ENV_KEEP_PREFIXES`. Everythi
 host (API tokens, cloud keys, agent sockets, ``TORCH_*``/``TORCHINDUCTOR_*`` settings, every
 ``TRITON_*`` one but ``TRITON_LIBCUDA_PATH``, and every ``NCCL_*`` variable not listed: network
 plugins, InfiniBand, topology files, socket interfaces) is dropped; ``TRITON_CACHE_DIR`` is the
-harness's own (:func:`~prism_challenge.evaluator.launcher.compute_env`). :data:`RANK_NETWORK_ENV` is then set: the sandbox has only loopback, so the
-collectives and the rendezvous are pinned to it whatever the host's name and NCCL settings.
+harness's own (:func:`~prism_challenge.evaluator.launcher.compute_env`). :data:`RANK_NETWORK_ENV`
+is then set: the sandbox has only loopback, so the collectives and the rendezvous are pinned to it
+whatever the host's name and NCCL settings.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ arguments, never to a name the submission controls:
   tools bundled in Triton's wheel (``triton/backends/nvidia/bin/ptxas``: ``--version`` and the
   PTX-to-cubin step; ``ptxas-blackwell``, ``cuobjdump``, ``nvdisasm``) or torch's own
   ``torch/bin/ptxas``, each only when started from a frame of the installed ``triton`` package.
-  Triton's C launcher is built with the C compiler inductor already may run, and its cache is the
+  Triton's C launcher is built with the C compiler inductor already may run in a temporary folder
+  and read back from there (:func:`triton_build_output`), and its cache is the
   harness's ``TRITON_CACHE_DIR`` (:data:`TRITON_CACHE_DIR`, one of
   :func:`~prism_challenge.evaluator.audit.compiler_cache_roots`), where only the compiler may
   write and from where only the compiler may load code.
@@ -50,6 +51,10 @@ TRITON_TOOLS = frozenset({"triton/backends/nvidia/bin/ptxas", "triton/backends/n
 """The programs Triton runs, relative to a site directory (Triton's knobs default to its bundled
 tools; inductor points ``TRITON_PTXAS_PATH`` at ``torch/bin/ptxas`` where that exists)."""
 TRITON_PACKAGE = "triton/"
+TRITON_BUILDERS = frozenset({"triton/runtime/build.py", "triton/backends/nvidia/driver.py"})
+"""Triton's ``compile_module_from_src`` (``runtime/build.py``; ``backends/nvidia/driver.py``
+before Triton 3.3): it builds a launcher in a ``tempfile.TemporaryDirectory`` and reads the
+library's bytes back to put them in its cache."""
 
 
 def torch_nvml(event: str, args: tuple, code_file: str | None, code_name: str) -> bool:
@@ -90,3 +95,17 @@ def triton_process(program: str, argv: Any, code_file: str | None, program_file:
     if type(argv) is not list or not argv or argv[0] != program or not all(type(a) is str for a in argv):
         return False
     return tuple(argv) == LDCONFIG_ARGV or program_file in TRITON_TOOLS
+
+
+def triton_build_output(path: str, code_file: str | None, temp_root: str) -> bool:
+    """Whether reading ``path`` is Triton reading back the launcher library it just built.
+
+    Args:
+        path: the resolved path opened for reading (the caller has checked it is neither hidden
+            nor in a compiler cache).
+        code_file: the innermost frame's file outside the standard library, relative to its site
+            directory (it must be one of :data:`TRITON_BUILDERS`).
+        temp_root: the temporary directory, resolved, with a trailing separator.
+    """
+    return code_file in TRITON_BUILDERS and path.startswith(temp_root) and path.endswith(".so") \
+        and path.count("/", len(temp_root)) == 1  # a file of a folder made directly under it

@@ -134,7 +134,8 @@ class MemoryCgroup:
         self.path, self.limit = path, limit
 
     @classmethod
-    def create(cls, limit: int, root: Path | None = None, proc_cgroup: str = "/proc/self/cgroup") -> MemoryCgroup | None:
+    def create(cls, limit: int, root: Path | None = None,
+               proc_cgroup: str = "/proc/self/cgroup") -> MemoryCgroup | None:
         """A fresh group holding at most ``limit`` bytes, or ``None`` (not available here).
         ``root``: the cgroup2 mount (default :data:`CGROUP_ROOT`); ``proc_cgroup``: where this
         process's group is read (``0::/path``) (both stand-ins in tests)."""
