@@ -293,6 +293,9 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
                       "manifest": None, "failure": {"stage": failure.stage, "message": failure.message,
                                                     "kind": failure.kind}}
     outcome = SimpleNamespace(manifest=result.manifest.to_json_dict(), run_dir=Path(result.run_dir))
+    memory_warning = (outcome.manifest.get("isolation") or {}).get("memory_warning")
+    if memory_warning:  # CUDA on a host without a cgroup v2 memory controller (evaluator/jail.py)
+        err.print(f"[bold red on yellow] WARNING [/] [bold]{memory_warning}[/]")
     summary = summary_dict(outcome)
     summary["exit_code"] = code = EXIT_FAILED if failure is not None else EXIT_SCORED
     if failure is not None:

@@ -217,14 +217,13 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from torch import nn
 
     from prism_challenge.evaluator.audit import arm
+    from prism_challenge.evaluator.cudainit import start_cuda
     from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.evaluator.interface import PrismContext, run_context
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
 
-    device = str(config.get("device", "cpu"))
-    if device == "cuda":
-        device = "cuda:0"
+    device = start_cuda(str(config.get("device", "cpu")))  # CUDA starts before the hook is armed (cudainit)
     seed = int(config["seed"])
     force_determinism(seed, int(config.get("threads", 1)))
     vocab = int(config["vocab_size"])

@@ -42,8 +42,8 @@ from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
 from prism_challenge.evaluator.interface import context_values
 from prism_challenge.evaluator.audit import describe_refusal, find_refusal
-from prism_challenge.evaluator.isolation import Guard, IsolationError, Limits
-from prism_challenge.evaluator.jail import Jail, diagnose
+from prism_challenge.evaluator.isolation import Guard, IsolationError
+from prism_challenge.evaluator.jail import Jail, diagnose, jail_limits
 from prism_challenge.evaluator.launcher import LaunchError, agent_of, check_layout, launch
 from prism_challenge.control import CANCELLED_MESSAGE, RunControl
 from prism_challenge.events import BatchScored
@@ -347,8 +347,8 @@ def _sandbox(opts: EvalOptions, run_dir: Path, artifacts: Path, data_root: Path,
     """Open the jail (raises :class:`EvalFailure` at stage ``isolation`` when strict is impossible)."""
     sizes = run_sizes(opts.nproc, device)
     tasks = sizes.max_processes if opts.max_processes is None else opts.max_processes
-    limits = Limits(
-        address_space_bytes=None if device == "cuda" else opts.memory_limit_bytes,
+    limits = jail_limits(
+        device, opts.memory_limit_bytes,
         # RLIMIT_NPROC counts every task of the uid: only meaningful for the dedicated sandbox uid
         max_processes=tasks if opts.isolation == "strict" and os.geteuid() == 0 else None,
         max_file_bytes=opts.max_file_bytes,

@@ -64,6 +64,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
     from torch import nn
 
     from prism_challenge.evaluator.audit import arm
+    from prism_challenge.evaluator.cudainit import start_cuda
     from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.evaluator.interface import run_context
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
@@ -71,7 +72,6 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
     from prism_challenge.heldout import _BuildOnly
 
     device = str(config.get("device", "cpu"))
-    device = "cuda:0" if device == "cuda" else device
     seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])
     force_determinism(seed, int(config.get("threads", 1)))
     stage = "setup"  # the harness's own steps: a failure here is never the submission's (rescore.SUBMITTED_STAGES)
@@ -79,6 +79,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
         root = str(config["bundle_root"])
         force_source_imports(root)
         sys.path.insert(0, root)
+        device = start_cuda(device)  # CUDA starts before the hook is armed (cudainit)
         arm(root, [str(config["context"]["artifacts_dir"])], hidden=config.get("hidden", ()))
         module, symbol = config["architecture"]
         stage = "import"

@@ -275,6 +275,7 @@ class Limits(_Model):
     max_processes: Count | None
     max_file_bytes: Count | None
     max_open_files: Count | None
+    memory_bytes: Count | None = None  # the cgroup's memory.max per jailed tree (CPU and CUDA)
 
 
 class GuardInfo(_Model):
@@ -299,7 +300,8 @@ class Isolation(_Model):
     limits: Limits
     tmp_bytes: Count | None = None  # the sandbox's private /tmp and /dev/shm sizes
     shm_bytes: Count | None = None
-    memory_limit_by: Literal["rlimit", "cgroup"] = "rlimit"
+    memory_limit_by: Literal["rlimit", "cgroup", "none"] = "rlimit"
+    memory_warning: str | None = None  # only when nothing held the memory (CUDA without a cgroup v2 memory controller)
     audit_hooks: bool = True
     audit_exit_code: int | None = None
     guard: GuardInfo

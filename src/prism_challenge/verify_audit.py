@@ -77,8 +77,9 @@ def children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[i
     from prism_challenge.auditstage import empty_artifacts
     from prism_challenge.data.builtin import default_cache_root
     from prism_challenge.data.partition import default_salt_path
-    from prism_challenge.evaluator.isolation import IsolationError, Limits
-    from prism_challenge.evaluator.jail import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_OPEN_FILES, Jail, default_memory_limit
+    from prism_challenge.evaluator.isolation import IsolationError
+    from prism_challenge.evaluator.jail import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_OPEN_FILES, Jail,
+                                                default_memory_limit, jail_limits)
     from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.rescore import AuditReport, Job, compare_blind, compare_rescore, run_both
 
@@ -94,7 +95,8 @@ def children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[i
               "max_parameters": cfg["max_parameters"], "device": device, "bundle_root": str(copy),
               "architecture": [module, manifest["bundle"]["architecture"].rpartition(":")[2]],
               "scoring_autocast": cfg.get("scoring_autocast"), "context": audit["context"], "hidden": hidden}
-    limits = Limits(default_memory_limit(), None, DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_OPEN_FILES)
+    limits = jail_limits(device, default_memory_limit(), max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+                         max_open_files=DEFAULT_MAX_OPEN_FILES)  # no RLIMIT_AS on CUDA: the cgroup alone
     try:
         jail = Jail.open(isolation, bundle_dir=copy, hidden=hidden, limits=limits, threads=int(cfg["threads"]))
     except IsolationError as exc:

@@ -29,7 +29,9 @@ conversion, AOTAutograd's lazy backward compile: :data:`COMPILE_ENTRIES`) belong
 interpreter's install (torch and the libraries it uses), never to the bundle, the harness or
 code from elsewhere. Inductor's compile threads are fixed at one
 (:func:`~prism_challenge.evaluator.launcher.compute_env`), so compilation runs in the thread
-that asked for it, under its entry.
+that asked for it, under its entry. On CUDA the same holds for Triton's programs (``ldconfig -p``,
+its bundled ``ptxas``) and its cache (``TRITON_CACHE_DIR``, set by the harness), and torch's own
+NVML load is admitted from torch's own frames (:mod:`~prism_challenge.evaluator.gpuadmit`).
 
 A refused event is final: the hook writes one line ``PRISM-AUDIT-REFUSED {json}`` (the event,
 its argument, the rule, the origin ``file:line``) to file descriptor 2 and ends the process with
@@ -53,6 +55,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from prism_challenge.evaluator import gpuadmit
 
 AUDIT_EXIT_CODE = 86
 """Exit status of a process the hook stopped (torchrun, the parent and the tests look for it)."""
@@ -185,13 +189,17 @@ def harden_compiler() -> None:
 
 def compiler_cache_roots() -> tuple[str, ...]:
     """Where inductor writes the modules it generates: ``$TORCHINDUCTOR_CACHE_DIR``, else its
-    default ``torchinductor_<user>`` under the temporary directory (prefixes, as strings).
+    default ``torchinductor_<user>`` under the temporary directory, and Triton's cache
+    ``$TRITON_CACHE_DIR`` (the harness sets it: :data:`~prism_challenge.evaluator.gpuadmit.TRITON_CACHE_DIR`)
+    (prefixes, as strings).
 
     Frames of those modules count as the compiler's own while a compilation runs (a generated
     wrapper builds its kernels with ``g++`` as it is imported), never as an entry."""
     roots = [os.path.join(os.path.realpath(tempfile.gettempdir()), "torchinductor")]
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         roots.append(os.path.realpath(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rstrip(os.sep) + os.sep)
+    if os.environ.get("TRITON_CACHE_DIR"):
+        roots.append(os.path.realpath(os.environ["TRITON_CACHE_DIR"]).rstrip(os.sep) + os.sep)
     return tuple(roots)
 
 
@@ -274,6 +282,24 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
     """
     if os.environ.get(ENV_OFF) == "off":
         return
+    policy = build_policy(bundle_dir, writable, hidden=hidden, allowed_import=allowed_import)
+    # code is imported from the install and the bundle only: the working directory (``-m``
+    # puts it first) and anything writable leave the import path, so nothing written can shadow
+    # a module torch imports later
+    inside = policy.install + policy.bundle
+    sys.path[:] = [p for p in sys.path if p and _under(os.path.realpath(p), inside)]
+    harden_compiler()
+    sys.addaudithook(policy.hook())
+
+
+def build_policy(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
+                 allowed_import: Callable[[str, frozenset[str]], bool] | None = None) -> _Policy:
+    """The hook's policy for this process (:func:`arm`'s arguments), without installing it: its
+    :meth:`_Policy.rule` says which rule an event breaks (the tests feed it synthetic events).
+
+    Raises:
+        OSError: ``bundle_dir`` cannot be listed.
+    """
     if allowed_import is None:
         from prism_challenge.gates.sandbox import module_rule
 
@@ -284,17 +310,11 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
     harness = _prefixes([str(Path(__file__).resolve().parents[1])])
     writable = [*writable, tempfile.gettempdir(), "/dev/shm"]
     install = tuple(r for r in _prefixes(install_roots(writable)) if not _under(r.rstrip(os.sep), bundle))
-    # code is imported from the install and the bundle only: the working directory (``-m``
-    # puts it first) and anything writable leave the import path, so nothing written can shadow
-    # a module torch imports later
-    sys.path[:] = [p for p in sys.path if p and (_under(os.path.realpath(p), install) or _under(os.path.realpath(p), bundle))]
     write = _prefixes([*writable, *READABLE_DEVICES])
     readable = install + bundle + write + _prefixes([f"/proc/{os.getpid()}", "/proc/self",
                                                      "/sys/devices/system/cpu"])
-    harden_compiler()
-    policy = _Policy(bundle, harness, install, write, readable, _stdlib_roots(), own_modules(bundle_dir),
-                     allowed_import, _site_roots(), compiler_cache_roots(), _prefixes(hidden))
-    sys.addaudithook(policy.hook())
+    return _Policy(bundle, harness, install, write, readable, _stdlib_roots(), own_modules(bundle_dir),
+                   allowed_import, _site_roots(), compiler_cache_roots(), _prefixes(hidden))
 
 
 class _Policy:
@@ -404,7 +424,7 @@ class _Policy:
             if event in SET_ATTR_EVENTS:
                 return None if self.own_class(args[0] if args else None) else "no-monkeypatch"
             return "no-introspection"
-        kind, _ = self.origin(frame)
+        kind, first = self.origin(frame)
         compiling = self.compiling(frame) if kind != "bundle" else False
         if event == "open":
             mode, flags = (args[1], args[2]) if len(args) >= 3 else ("r", 0)
@@ -413,6 +433,8 @@ class _Policy:
                 return None
             if kind == "bundle" and type(args[0]) in (str, bytes) and not os.path.isabs(args[0]):
                 return "no-relative-path"  # relative to a dir_fd the event does not show, perhaps
+            if compiling and not writing and kind == "install" and self.triton_build_read(args[0], first):
+                return None
             return self.path_rule(args[0], writing, compiling, kind == "install")
         if event == "import":
             filename = _plain(args[1]) if len(args) > 1 and args[1] is not None else None
@@ -426,11 +448,11 @@ class _Policy:
         if event.startswith("ctypes."):
             target = _plain(args[0]) if event == "ctypes.dlopen" and args else None
             cached = type(target) is str and os.path.realpath(target).startswith(self.cache)
-            return None if compiling and cached else "no-ffi"
+            return None if (compiling and cached) or self.torch_nvml(event, args, kind, first) else "no-ffi"
         if event.startswith(NETWORK_PREFIXES):
             return "no-network"
         if event in PROCESS_EVENTS or event.startswith(PROCESS_PREFIXES):
-            ok = compiling and event == "subprocess.Popen" and self.compiler_process(args)
+            ok = compiling and event == "subprocess.Popen" and self.compiler_process(args, kind, first)
             return None if ok else "no-process"
         if event in WRITE_EVENTS or event in READ_EVENTS:
             two = event in ("os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree", "shutil.move")
@@ -443,14 +465,52 @@ class _Policy:
             return None
         return None
 
-    def compiler_process(self, args: tuple) -> bool:
+    def torch_nvml(self, event: str, args: tuple, kind: str, first: Any) -> bool:
+        """Whether a ``ctypes`` event is torch's own NVML load from torch's own frame ``first``
+        (the innermost outside the stdlib, of kind ``kind``): :func:`~prism_challenge.evaluator.
+        gpuadmit.torch_nvml`."""
+        if kind != "install" or first is None:
+            return False
+        return gpuadmit.torch_nvml(event, args, self.in_site(first.f_code.co_filename), first.f_code.co_name)
+
+    def triton_build_read(self, path: Any, first: Any) -> bool:
+        """Whether opening ``path`` for reading is Triton copying the launcher it just built in a
+        temporary folder into its cache, from its own frame ``first``:
+        :func:`~prism_challenge.evaluator.gpuadmit.triton_build_output`."""
+        path = _plain(path)
+        if type(path) is not str or first is None:
+            return False
+        real = os.path.realpath(path)
+        if _under(real, self.hidden) or real.startswith(self.cache):
+            return False
+        temp = os.path.realpath(tempfile.gettempdir()).rstrip(os.sep) + os.sep
+        return gpuadmit.triton_build_output(real, self.in_site(first.f_code.co_filename), temp)
+
+    def in_site(self, path: str) -> str | None:
+        """``path`` (resolved) relative to the site directory that holds it, with ``/``
+        separators; ``None`` when no site directory holds it, or it lies in a writable directory
+        or the bundle."""
+        real = os.path.realpath(path)
+        if _under(real, self.write + self.bundle):
+            return None  # what can be written is never the install's
+        for root in self.site:
+            if real.startswith(root):
+                return real[len(root):].replace(os.sep, "/")
+        return None
+
+    def compiler_process(self, args: tuple, kind: str = "", first: Any = None) -> bool:
         """Whether a ``subprocess.Popen`` event starts what inductor starts: its C++ compiler
-        (:data:`COMPILERS`), ``openssl sha512 FILE`` (a precompiled header's checksum), or its one
-        probe that loads the ISA test library it just built in its cache (:data:`ISA_PROBE`)."""
+        (:data:`COMPILERS`), ``openssl sha512 FILE`` (a precompiled header's checksum), its one
+        probe that loads the ISA test library it just built in its cache (:data:`ISA_PROBE`), or
+        one of Triton's programs started from Triton's frame ``first`` (of kind ``kind``:
+        :func:`~prism_challenge.evaluator.gpuadmit.triton_process`)."""
         program = _plain(args[0]) if args else None
         if type(program) is not str:
             return False
         argv = args[1] if len(args) > 1 else None
+        if kind == "install" and first is not None and gpuadmit.triton_process(
+                program, argv, self.in_site(first.f_code.co_filename), self.in_site(program)):
+            return True
         if os.path.basename(program) in COMPILERS:
             return True
         if os.path.basename(program) == "openssl":  # the checksum of a precompiled header

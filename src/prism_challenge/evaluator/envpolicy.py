@@ -4,10 +4,12 @@ An allow-list, defined once here and applied by :func:`sandbox_env` (through
 :func:`~prism_challenge.evaluator.jail.child_env`, so torchrun, its ranks, the parameter child,
 the held-out child, the blind probe and the CUDA check all get the same): each kept variable
 has a one-line reason in :data:`ENV_KEEP` or :data:`ENV_KEEP_PREFIXES`. Everything else of the
-host (API tokens, cloud keys, agent sockets, ``TORCH_*``/``TORCHINDUCTOR_*`` settings, and every
-``NCCL_*`` variable not listed: network plugins, InfiniBand, topology files, socket interfaces)
-is dropped. :data:`RANK_NETWORK_ENV` is then set: the sandbox has only loopback, so the
-collectives and the rendezvous are pinned to it whatever the host's name and NCCL settings.
+host (API tokens, cloud keys, agent sockets, ``TORCH_*``/``TORCHINDUCTOR_*`` settings, every
+``TRITON_*`` one but ``TRITON_LIBCUDA_PATH``, and every ``NCCL_*`` variable not listed: network
+plugins, InfiniBand, topology files, socket interfaces) is dropped; ``TRITON_CACHE_DIR`` is the
+harness's own (:func:`~prism_challenge.evaluator.launcher.compute_env`). :data:`RANK_NETWORK_ENV`
+is then set: the sandbox has only loopback, so the collectives and the rendezvous are pinned to it
+whatever the host's name and NCCL settings.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ ENV_KEEP: dict[str, str] = {
     "NCCL_P2P_LEVEL": "the same, for a distance (NVLink, PCIe switch, CPU)",
     "NCCL_SHM_DISABLE": "hosts whose /dev/shm transport fails fall back to peer-to-peer",
     "NCCL_CUMEM_ENABLE": "containers where cuMem-based buffers fail (older drivers)",
+    "TRITON_LIBCUDA_PATH": "the folder of the host's libcuda.so.1 where ldconfig's cache does not list it (Triton "
+                           "links its launcher against it; the folder is bound read-only)",
 }
 """Host variables every jailed process keeps, each with why."""
 
@@ -77,6 +81,13 @@ def sandbox_env(environ: Mapping[str, str]) -> dict[str, str]:
     env.update(RANK_NETWORK_ENV)
     env["HOME"] = "/tmp"
     return env
+
+
+def libcuda_dirs(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``$TRITON_LIBCUDA_PATH`` when it is an absolute folder (the sandbox binds it read-only
+    beside :func:`ld_library_dirs`), else nothing."""
+    value = (os.environ if environ is None else environ).get("TRITON_LIBCUDA_PATH", "")
+    return [value] if value and os.path.isabs(value) else []
 
 
 def ld_library_dirs(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -121,12 +121,21 @@ class Limits:
         max_file_bytes: ``RLIMIT_FSIZE``: largest file a process may write, bytes (the runner's
             stdout/stderr log included).
         max_open_files: ``RLIMIT_NOFILE`` per process.
+        memory_bytes: a cgroup v2 ``memory.max`` for each jailed process tree, bytes, independent
+            of ``RLIMIT_AS`` (set on CUDA, where no address-space cap can be); ``None``: the
+            address-space cap's value (:meth:`cgroup_bytes`).
     """
 
     address_space_bytes: int | None = None
     max_processes: int | None = None
     max_file_bytes: int | None = None
     max_open_files: int | None = None
+    memory_bytes: int | None = None
+
+    def cgroup_bytes(self) -> int | None:
+        """The ``memory.max`` a jailed tree's cgroup gets: :attr:`memory_bytes`, else
+        :attr:`address_space_bytes` (the cgroup holds the same bytes instead), else ``None``."""
+        return self.memory_bytes if self.memory_bytes is not None else self.address_space_bytes
 
     def rlimits(self) -> list[tuple[int, int]]:
         """``[(resource.RLIMIT_*, value)]`` of the limits that are set (plus no core dumps)."""
@@ -261,9 +270,9 @@ def _default_readable() -> list[str]:
     import prism_challenge
 
     out.append(str(Path(prism_challenge.__file__).resolve().parents[1]))
-    from prism_challenge.evaluator.envpolicy import ld_library_dirs
+    from prism_challenge.evaluator.envpolicy import ld_library_dirs, libcuda_dirs
 
-    out += ld_library_dirs()
+    out += ld_library_dirs() + libcuda_dirs()
     seen, uniq = set(), []
     for p in out:
         rp = os.path.realpath(p)

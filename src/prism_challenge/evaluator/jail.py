@@ -66,6 +66,15 @@ TASK_SIGNS = ("can't start new thread", "resource temporarily unavailable", "thr
               "pthread_create failed", "fork: retry")
 
 
+MEMORY_UNBOUNDED_WARNING = (
+    "the jailed processes' host memory is unbounded: this host offers no cgroup v2 memory controller PRISM may "
+    "use, and CUDA processes take no address-space cap; only the host's OOM killer stops a loop that "
+    "allocates without end (the run's figures are unaffected)")
+"""The manifest's ``isolation.memory_warning`` (and the console's) when :attr:`Jail.memory_unbounded`."""
+MEMORY_HELD_BY = ("none", "rlimit", "cgroup")
+"""What holds a jailed child's memory, weakest first (the manifest's ``isolation.memory_limit_by``)."""
+
+
 def host_memory_bytes() -> int | None:
     """``MemTotal`` of ``/proc/meminfo`` in bytes, or ``None`` when unknown."""
     try:
@@ -83,6 +92,20 @@ def default_memory_limit() -> int:
     the host's memory (a limit above the RAM holds nothing), bytes."""
     host = host_memory_bytes()
     return MAX_ADDRESS_SPACE if host is None else min(MAX_ADDRESS_SPACE, host)
+
+
+def jail_limits(device: str, memory_bytes: int | None, *, max_processes: int | None = None,
+                max_file_bytes: int | None = None, max_open_files: int | None = None) -> Limits:
+    """The limits of a run's jailed processes on ``device`` (``"cpu"`` or ``"cuda"``).
+
+    ``memory_bytes`` (``None``: unlimited) is the cgroup v2 ``memory.max`` of each jailed tree on
+    both devices (:class:`MemoryCgroup`, where the host has one); on CPU it is also each
+    process's ``RLIMIT_AS``, which holds the memory where no cgroup can be made. CUDA maps far
+    more address space than it uses, so a CUDA process takes no ``RLIMIT_AS``: the cgroup alone
+    bounds it, and without one nothing does (:data:`MEMORY_UNBOUNDED_WARNING`).
+    """
+    return Limits(address_space_bytes=None if device == "cuda" else memory_bytes, max_processes=max_processes,
+                  max_file_bytes=max_file_bytes, max_open_files=max_open_files, memory_bytes=memory_bytes)
 
 
 def child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -111,13 +134,17 @@ class MemoryCgroup:
         self.path, self.limit = path, limit
 
     @classmethod
-    def create(cls, limit: int) -> MemoryCgroup | None:
-        """A fresh group holding at most ``limit`` bytes, or ``None`` (not available here)."""
+    def create(cls, limit: int, root: Path | None = None,
+               proc_cgroup: str = "/proc/self/cgroup") -> MemoryCgroup | None:
+        """A fresh group holding at most ``limit`` bytes, or ``None`` (not available here).
+        ``root``: the cgroup2 mount (default :data:`CGROUP_ROOT`); ``proc_cgroup``: where this
+        process's group is read (``0::/path``) (both stand-ins in tests)."""
+        root = CGROUP_ROOT if root is None else root
         try:
-            if not (CGROUP_ROOT / "cgroup.controllers").is_file():
+            if not (root / "cgroup.controllers").is_file():
                 return None
-            own = Path(open("/proc/self/cgroup").read().strip().split("::", 1)[1].splitlines()[0])
-            parent = CGROUP_ROOT / own.relative_to("/")
+            own = Path(open(proc_cgroup).read().strip().split("::", 1)[1].splitlines()[0])
+            parent = root / own.relative_to("/")
             if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
                 return None
             path = parent / f"prism-{os.getpid()}-{time.monotonic_ns()}"
@@ -231,7 +258,7 @@ class Jail:
     uid: int | None = None
     audit: bool = True
     cgroups: list[MemoryCgroup] = field(default_factory=list)
-    memory_by: str = "rlimit"
+    memory_by: str = ""  # what held the children's memory, the weakest of them (_memory); "" before the first
     children: list[subprocess.Popen] = field(default_factory=list)
     killed: bool = False  # kill_all() ran: no new child starts
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -281,13 +308,18 @@ class Jail:
         return prefix + list(argv)
 
     def _memory(self) -> tuple[Limits, MemoryCgroup | None]:
-        """The rlimits to apply and the cgroup that holds the memory instead of ``RLIMIT_AS``."""
-        cap = self.limits.address_space_bytes
+        """The rlimits to apply and the cgroup that holds the memory instead of ``RLIMIT_AS``
+        (:meth:`Limits.cgroup_bytes`); records in :attr:`memory_by` what holds it: ``cgroup``,
+        ``rlimit``, or ``none`` (no cgroup here and no address-space cap: CUDA on a host
+        without a usable cgroup v2 memory controller, :data:`MEMORY_UNBOUNDED_WARNING`)."""
+        cap = self.limits.cgroup_bytes()
         group = MemoryCgroup.create(cap) if cap else None
+        held = "cgroup" if group is not None else "rlimit" if self.limits.address_space_bytes else "none"
+        if not self.memory_by or MEMORY_HELD_BY.index(held) < MEMORY_HELD_BY.index(self.memory_by):
+            self.memory_by = held  # the weakest of the children's
         if group is None:
             return self.limits, None
         self.cgroups.append(group)
-        self.memory_by = "cgroup"
         return dataclasses.replace(self.limits, address_space_bytes=None), group
 
     def popen(self, argv: Sequence[str], *, writable: Sequence[str | os.PathLike[str]] = (),
@@ -306,7 +338,9 @@ class Jail:
                ) -> tuple[subprocess.Popen, MemoryCgroup | None]:
         """Start ``argv`` (see :meth:`popen`); the process and its memory cgroup, if any."""
         limits, group = self._memory()
-        apply = None if self.isolated else limits_preexec(**vars(limits))
+        apply = None if self.isolated else limits_preexec(
+            address_space_bytes=limits.address_space_bytes, max_processes=limits.max_processes,
+            max_file_bytes=limits.max_file_bytes, max_open_files=limits.max_open_files)
 
         def preexec() -> None:
             if group is not None:
@@ -460,8 +494,16 @@ class Jail:
         return {"mode": self.mode, "isolated": self.isolated, "backend": self.backend, "uid": self.uid,
                 "hidden": list(self.hidden), "limits": vars(self.limits).copy(),
                 "tmp_bytes": self.tmp_bytes, "shm_bytes": self.shm_bytes,
-                "memory_limit_by": self.memory_by, "audit_hooks": self.audit,
-                "audit_exit_code": AUDIT_EXIT_CODE}
+                "memory_limit_by": self.memory_by or ("rlimit" if self.limits.address_space_bytes else "none"),
+                "audit_hooks": self.audit,
+                "audit_exit_code": AUDIT_EXIT_CODE,
+                **({"memory_warning": MEMORY_UNBOUNDED_WARNING} if self.memory_unbounded else {})}
+
+    @property
+    def memory_unbounded(self) -> bool:
+        """Whether a memory limit was asked for (:meth:`Limits.cgroup_bytes`) and nothing holds it:
+        no usable cgroup v2 memory controller, and no ``RLIMIT_AS`` (CUDA)."""
+        return self.memory_by == "none" and self.limits.cgroup_bytes() is not None
 
 
 def _folder_ids(folders: Sequence[str | os.PathLike[str]]) -> tuple:

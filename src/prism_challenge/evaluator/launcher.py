@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR, sandbox_env  # noqa: F401 - re-exported
+from prism_challenge.evaluator.gpuadmit import TRITON_CACHE_DIR
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
@@ -115,7 +116,13 @@ def compute_env(threads: int) -> dict[str, str]:
     * ``PYTHONHASHSEED=0``: the same ``str`` hashes in every run.
     * ``TORCHINDUCTOR_COMPILE_THREADS=1``: ``torch.compile`` builds its kernels in the thread
       that asked for them, under the compile entry the audit hook admits
-      (:mod:`~prism_challenge.evaluator.audit`), with no pool of compile workers (tasks).
+      (:mod:`~prism_challenge.evaluator.audit`), with no pool of compile workers (tasks). On CUDA
+      too: inductor's pool is a process of its own that unpickles jobs from a pipe, outside the
+      audit hook, and torch offers no way to arm the hook in it.
+    * ``TRITON_CACHE_DIR``: Triton's cache (:data:`~prism_challenge.evaluator.gpuadmit.TRITON_CACHE_DIR`),
+      in the sandbox's private ``/tmp``; the host's ``TRITON_*`` settings are dropped
+      (:mod:`~prism_challenge.evaluator.envpolicy`), so no process reads a cache the submission
+      or another run wrote, and the audit hook knows where Triton's launchers come from.
     * ``THP_MEM_ALLOC_ENABLE=1``: PyTorch's CPU allocator aligns tensors of 2 MiB or more to
       2 MiB and asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``; effective where
       ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). A scoring
@@ -137,6 +144,7 @@ def compute_env(threads: int) -> dict[str, str]:
     n = str(int(threads))
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
             "PYTHONHASHSEED": "0", "THP_MEM_ALLOC_ENABLE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "TRITON_CACHE_DIR": TRITON_CACHE_DIR,
             "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD)}
 
 

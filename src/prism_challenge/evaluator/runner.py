@@ -34,6 +34,7 @@ from torch import nn
 
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.audit import arm
+from prism_challenge.evaluator.cudainit import start_cuda
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.childexit import exit_child
 from prism_challenge.evaluator.gpu import peak_memory
@@ -375,8 +376,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         raise protocol.ProtocolError(f"expected CONFIG from the feeder, got {kind.name}")
     device = config["device"]
     if device == "cuda":
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
+        device = start_cuda(f"cuda:{local_rank}")  # before the hook is armed (cudainit)
     config["device"] = device
     force_determinism(int(config["seed"]), int(config["threads"]))
     arm(str(config["bundle_root"]), [str(config["artifacts_dir"])], hidden=config.get("hidden", ()))  # for good
