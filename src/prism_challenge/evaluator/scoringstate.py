@@ -10,8 +10,11 @@ without them: the same weights, other numbers, and an honest run zeroed by its a
 ``prism verify``) runs its forward under :func:`scoring_state`:
 
 * **autocast**: exactly the run's scoring autocast on the scored device (``torch.autocast(
-  device_type, dtype)``, or ``enabled=False`` for ``fp32``), and autocast off on every other
-  device type where the caller had it on. Autocast that the model's own ``forward`` enters is
+  device_type, dtype, cache_enabled=False)``, or ``enabled=False`` for ``fp32``), and autocast
+  off on every other device type where the caller had it on. The cache is off: autocast keys its
+  cached casts by the weight alone, so inside a loop's long ``torch.autocast`` region the scoring
+  forward would otherwise reuse casts the loop's own forward made (in the loop's dtype, or of
+  weights its optimizer has changed since). Autocast that the model's own ``forward`` enters is
   the model's code and runs the same in every process.
 * **attention kernel**: :data:`SDPA_BACKENDS` enabled, in that priority order, every other
   backend off (``sdpa_kernel(..., set_priority=True)``; the previous flags and order are
@@ -19,7 +22,8 @@ without them: the same weights, other numbers, and an honest run zeroed by its a
   cuDNN attention (off by default on most torch releases, and its kernel choice varies with the
   cuDNN version) and without the out-of-tree ``OVERRIDEABLE`` backend. Which of them runs is
   torch's choice for the inputs' device, dtype and shape, the same in every process on the same
-  device; each one's forward is deterministic (no atomics), on CPU (flash, math) as on CUDA.
+  device (on CPU torch tries flash, then math, whatever the order); each one's forward is
+  deterministic (no atomics), on CPU as on CUDA.
 * **grad mode**: the caller holds ``torch.no_grad()`` (``instrument.measure``); inference mode
   changes no value.
 
@@ -59,7 +63,7 @@ def scoring_state(device_type: str, autocast: torch.dtype | None) -> Iterator[No
         if autocast is None:
             stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
         else:
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=autocast))
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=autocast, cache_enabled=False))
         stack.enter_context(_sdpa_pinned())
         yield
 
