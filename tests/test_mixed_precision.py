@@ -146,6 +146,19 @@ def test_a_bf16_state_is_loaded_in_bf16_and_its_unsaved_buffers_follow():
     assert old.lin.weight.dtype == torch.float32 and not torch.equal(old.lin(x.float()), trained.lin(x).float())
 
 
+def test_a_model_built_in_bf16_keeps_its_float32_unsaved_buffers():
+    # build_model itself makes bf16 weights and a float32 table (as Llama-style code keeps its
+    # rotary frequencies): nothing was cast, so the re-built table stays float32, as in the stream
+    class Built(Rope):
+        def __init__(self):
+            super().__init__()
+            self.lin.to(torch.bfloat16)
+
+    fresh = Built()
+    load_scored_state(fresh, {k: v.clone() for k, v in Built().state_dict().items()})
+    assert fresh.lin.weight.dtype == torch.bfloat16 and fresh.cache.dtype == torch.float32
+
+
 def test_mixed_dtypes_leave_the_unsaved_buffers_as_built():
     m = Rope()
     m.lin.to(torch.bfloat16)  # a model cast in parts: the bias and weight bf16, nothing says the cache was
@@ -174,7 +187,7 @@ def test_the_twin_takes_the_trained_dtypes():
     assert twin.lin.weight.dtype == torch.bfloat16 and torch.equal(twin.lin.weight, want)
     assert twin.cache.dtype == torch.bfloat16 and twin.count.dtype == torch.int64
     keep = Rope()
-    cast_unsaved_buffers(keep, {})  # nothing to go by: as built
+    cast_unsaved_buffers(keep, {}, {})  # nothing to go by: as built
     assert keep.cache.dtype == torch.float32
 
 

@@ -124,8 +124,13 @@ def load_scored_state(model: torch.nn.Module, state: object) -> None:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise StateError(f"the state is a {type(state).__name__}, not a state_dict of named tensors")
+    built = _dtypes(model)
     model.load_state_dict(state, strict=True, assign=True)
-    cast_unsaved_buffers(model, state)
+    cast_unsaved_buffers(model, state, built)
+
+
+def _dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def floating_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
@@ -135,14 +140,18 @@ def floating_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def cast_unsaved_buffers(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def cast_unsaved_buffers(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
+                         built: Mapping[str, torch.dtype]) -> None:
     """Give ``model``'s floating buffers that no ``state_dict`` holds the dtype ``model.to(D)``
     would have given them, when ``state`` shows that cast: every floating tensor of ``state`` is
-    of one dtype ``D`` (:func:`floating_dtype`). ``build_model`` made those buffers again with
-    their values as they were built; a loop's ``model.to(torch.bfloat16)`` had cast them too.
-    With mixed dtypes (a model cast in parts) they are left as built. In place, on their device."""
+    of one dtype ``D`` (:func:`floating_dtype`) and at least one of them was built (``built``:
+    the dtypes ``build_model``'s module had, by name) in another dtype. ``build_model`` made
+    those buffers again with their values as they were built; a loop's
+    ``model.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``) had cast them too. Otherwise
+    (nothing was cast: a float32 RoPE table beside bf16 weights that ``build_model`` made so
+    stays float32; or a model cast in parts) they are left as built. In place, on their device."""
     dtype = floating_dtype(state)
-    if dtype is None:
+    if dtype is None or all(built.get(k, dtype) == dtype for k, v in state.items() if v.is_floating_point()):
         return
     saved = set(model.state_dict())
     for name, buf in list(model.named_buffers()):
@@ -157,7 +166,7 @@ def in_dtypes_of(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> N
     held-out twin, in the trained model's dtypes: the loop's own model as it stood before its
     first step), then its unsaved buffers (:func:`cast_unsaved_buffers`). Names ``state`` lacks
     keep their dtype."""
-    own = {}
+    own, built = {}, _dtypes(model)
     for name, value in model.state_dict().items():
         other = state.get(name)
         if (isinstance(value, torch.Tensor) and other is not None and value.is_floating_point()
@@ -165,4 +174,4 @@ def in_dtypes_of(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> N
             value = value.detach().to(other.dtype)
         own[name] = value
     model.load_state_dict(own, strict=True, assign=True)
-    cast_unsaved_buffers(model, state)
+    cast_unsaved_buffers(model, state, built)
