@@ -89,12 +89,16 @@ def test_the_loops_autocast_and_sdpa_kernel_do_not_change_the_scored_nats(ambien
 
 
 def test_scoring_state_pins_the_kernels_and_restores_the_callers_order():
+    # torch's own default flags and order: a loop that never picks a kernel sees no change
+    default = (torch.nn.attention._cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order())
+    with scoring_state("cpu", None):
+        assert (torch.nn.attention._cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order()) == default
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION], set_priority=True):
         outside = _state()
         with scoring_state("cpu", None):
             enabled, order = torch.nn.attention._cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order()
             assert set(enabled) == set(SDPA_BACKENDS)
-            assert order[:3] == [int(b) for b in SDPA_BACKENDS]  # flash, efficient, math
+            assert order == [int(b) for b in SDPA_BACKENDS]  # flash, efficient, math, cudnn, overrideable
             assert not torch.is_autocast_enabled("cpu")
         with scoring_state("cpu", torch.float16):
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
@@ -215,7 +219,8 @@ def test_the_bundles_declared_autocast_wins_over_the_profiles(declared, profile,
     opts = EvalOptions(bundle="x", scoring_autocast=profile)
     assert scoring_autocast(opts, bundle) == expect
     assert scoring_record(opts, bundle) == {"scoring_autocast": expect[0], "scoring_autocast_source": expect[1],
-                                            "scoring_sdpa": ["flash_attention", "efficient_attention", "math"]}
+                                            "scoring_sdpa": ["flash_attention", "efficient_attention", "math",
+                                                             "cudnn_attention", "overrideable"]}
 
 
 # -- prism verify of a CUDA run without CUDA -----------------------------------------------------
@@ -236,11 +241,11 @@ def test_verify_refuses_a_cuda_run_without_cuda_naming_the_device(monkeypatch):
 
 
 # -- end to end ----------------------------------------------------------------------------------
-def _eval(bundle, out_dir):
+def _eval(bundle, out_dir, scoring="fp32"):
     from prism_challenge.pipeline import evaluate
 
     o = evaluate(EvalOptions(bundle=str(bundle), out_dir=str(out_dir), device="cpu", threads=1, token_budget=6000,
-                             heldout_bytes=12_000))
+                             heldout_bytes=12_000, scoring_autocast=scoring))
     assert o.failure is None, o.failure
     return o.manifest
 
@@ -264,31 +269,43 @@ def _heldout_again(run_dir, m, *, assign):
     threads = torch.get_num_threads()
     torch.set_num_threads(m["config"]["threads"])  # the held-out child's, for the same kernels
     try:
-        return sd, score_rows(model, [c.tokens for c in cuts], ctx.vocab_size, "cpu")["batch_nats"]
+        autocast = {"fp32": None, "bf16": torch.bfloat16}[m["config"]["scoring_autocast"]]
+        return sd, score_rows(model, [c.tokens for c in cuts], ctx.vocab_size, "cpu", autocast=autocast)["batch_nats"]
     finally:
         torch.set_num_threads(threads)
 
 
+def _verifies(run_dir, capsys):
+    from prism_challenge.cli import main as prism
+
+    assert prism(["verify", str(run_dir), "--json"]) == 0, capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["verified"] is True
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, dtype", [("bf16_cast", torch.bfloat16), ("autocast_loop", torch.float32)])
-def test_a_mixed_precision_loop_scores_with_its_audit_passed_and_verifies(tmp_path, capsys, name, dtype):
+@pytest.mark.parametrize("name, dtype, scoring", [
+    ("bf16_cast", torch.bfloat16, "fp32"), ("autocast_loop", torch.float32, "fp32"),
+    ("autocast_loop", torch.float32, "bf16")])  # bf16: prism-v2's scoring precision, inside the loop's autocast
+def test_a_mixed_precision_loop_scores_with_its_audit_passed_and_verifies(tmp_path, capsys, name, dtype, scoring):
     from prism_challenge.cli import main as prism
 
     run_dir = tmp_path / "run"
-    m = _eval(BUNDLES / name, run_dir)
+    m = _eval(BUNDLES / name, run_dir, scoring)
     v, audit = m["verdict"], m["audit"]
     assert v["flags"] == [] and v["final_score"] > 0 and v["heldout_error"] is None, (v["flags"], v["heldout_error"])
     assert audit["passed"] and audit["mismatch"] is None and audit["error"] is None and len(audit["batches"]) >= 5
-    assert m["config"]["scoring_autocast"] == "fp32" and m["config"]["scoring_autocast_source"] == "profile"
-    # held-out scored the trained model in its own dtypes: equal, batch for batch, to the kept
-    # state scored here so, and (bf16) not to that state copied into float32 parameters
+    assert m["config"]["scoring_autocast"] == scoring and m["config"]["scoring_autocast_source"] == "profile"
+    # held-out scored the trained model in its own dtypes (under the run's scoring autocast): equal,
+    # batch for batch, to the kept state scored here so, and (bf16) not to that state copied into
+    # float32 parameters
     sd, again = _heldout_again(run_dir, m, assign=True)
     assert {t.dtype for t in sd.values() if t.is_floating_point()} == {dtype}
     assert again == v["heldout"]["batch_nats_trained"]
     if dtype is torch.bfloat16:
         assert _heldout_again(run_dir, m, assign=False)[1] != again
-    assert prism(["verify", str(run_dir), "--json"]) == 0, capsys.readouterr()
-    assert json.loads(capsys.readouterr().out)["verified"] is True
+    _verifies(run_dir, capsys)
+    if scoring != "fp32":
+        return
     # the same run said to have been made on CUDA, on this machine without CUDA: refused, exit 2
     if not torch.cuda.is_available():
         path = run_dir / "prism_run_manifest.v2.json"

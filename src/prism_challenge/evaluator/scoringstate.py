@@ -16,14 +16,16 @@ without them: the same weights, other numbers, and an honest run zeroed by its a
   forward would otherwise reuse casts the loop's own forward made (in the loop's dtype, or of
   weights its optimizer has changed since). Autocast that the model's own ``forward`` enters is
   the model's code and runs the same in every process.
-* **attention kernel**: :data:`SDPA_BACKENDS` enabled, in that priority order, every other
-  backend off (``sdpa_kernel(..., set_priority=True)``; the previous flags and order are
-  restored on exit). Flash, then memory-efficient, then math: torch's own default order, without
-  cuDNN attention (off by default on most torch releases, and its kernel choice varies with the
-  cuDNN version) and without the out-of-tree ``OVERRIDEABLE`` backend. Which of them runs is
-  torch's choice for the inputs' device, dtype and shape, the same in every process on the same
-  device (on CPU torch tries flash, then math, whatever the order); each one's forward is
-  deterministic (no atomics), on CPU as on CUDA.
+* **attention kernel**: every backend of :data:`SDPA_BACKENDS` enabled, in that priority order
+  (``sdpa_kernel(..., set_priority=True)``; the caller's flags and whole order are restored on
+  exit). Flash, then memory-efficient, then math, then cuDNN and ``OVERRIDEABLE``: torch's own
+  default (2.13's ``torch._C._get_sdp_priority_order()``), so a loop that never calls
+  ``sdpa_kernel`` trains and is scored under the same flags (no recompile of a compiled model
+  between the two), while math, which takes any input, comes before cuDNN attention, whose
+  kernels vary with the cuDNN version: cuDNN never runs. Which kernel runs is torch's choice for
+  the inputs' device, dtype and shape, the same in every process on the same device (on CPU
+  torch tries flash, then math, whatever the order); each one's forward is deterministic (no
+  atomics), on CPU as on CUDA.
 * **grad mode**: the caller holds ``torch.no_grad()`` (``instrument.measure``); inference mode
   changes no value.
 
@@ -43,7 +45,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS: tuple[SDPBackend, ...] = (
-    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.OVERRIDEABLE)
 """The attention kernels a scoring forward may use, in priority order (see the module docstring)."""
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
