@@ -204,7 +204,8 @@ def test_profiles_state_their_scoring_precision():
 
 
 def test_a_bad_profile_scoring_precision_is_named(tmp_path):
-    text = (REPO / "src/prism_challenge/profiles/local.toml").read_text().replace('autocast = "fp32"', 'autocast = "tf32"')
+    text = (REPO / "src/prism_challenge/profiles/local.toml").read_text()
+    text = text.replace('autocast = "fp32"', 'autocast = "tf32"')
     (tmp_path / "p.toml").write_text(text)
     with pytest.raises(ProfileError, match=r"p.toml: \[scoring\] autocast = 'tf32': must be one of"):
         load_profile(str(tmp_path / "p.toml"))

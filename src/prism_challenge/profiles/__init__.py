@@ -6,8 +6,9 @@ sha256), the tokenizers allowed, ``seq_len`` (``ctx.max_seq_len``), the budgets 
 step, wall clock), ``nproc``, the device kind, the held-out bytes, the verdict policy, the
 seed and the scoring precision (``[scoring] autocast``: the autocast dtype of the harness's
 scoring forwards for a bundle whose ``prism.yaml`` declares no ``scoring_autocast``; ``fp32``,
-no autocast, when the table is absent). Two ship with the package (:func:`profile_names`): ``local`` (the harness's defaults on
-the embedded corpus) and ``prism-v2`` (the challenge's official settings).
+no autocast, when the table is absent). Two ship with the package (:func:`profile_names`):
+``local`` (the harness's defaults on the embedded corpus) and ``prism-v2`` (the challenge's
+official settings).
 
 ``prism eval --profile NAME|FILE`` starts from a profile; a command-line option that sets a
 different value overrides it and the run manifest records the field
