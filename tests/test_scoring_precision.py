@@ -220,8 +220,9 @@ def _bundle(tmp_path, yaml_text):
     return tmp_path
 
 
-@pytest.mark.parametrize("value, expect", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), (None, "fp32")])
+@pytest.mark.parametrize("value, expect", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), (None, None)])
 def test_prism_yaml_declares_the_scoring_autocast(tmp_path, value, expect):
+    # not declared: None, and the run's profile chooses (scoringprecision.scoring_autocast)
     text = "tokenizer: bytes\n" + (f"scoring_autocast: {value}\n" if value else "")
     assert load_bundle(_bundle(tmp_path, text)).scoring_autocast == expect
 

@@ -8,7 +8,7 @@ A bundle is a directory (or a ``.zip`` of one, see :func:`extract_zip`) holding 
     training:
       entrypoint: training.py:train
     tokenizer: gpt2                              # or "bytes"
-    scoring_autocast: bf16                       # or "fp16"; default "fp32" (no autocast)
+    scoring_autocast: bf16                       # or "fp16", "fp32" (no autocast); default: the profile's
 
 Declared names are honoured exactly. The two entrypoints must be distinct files.
 
@@ -54,8 +54,9 @@ DEFAULT_TRAINING = ("training.py", "train")
 DEFAULT_TOKENIZER = "gpt2"
 SCORING_AUTOCAST = ("fp32", "bf16", "fp16")
 """``scoring_autocast`` values: the dtype the harness's scoring forwards run under
-``torch.autocast`` (stream, probes, held-out); ``fp32`` is no autocast."""
-DEFAULT_SCORING_AUTOCAST = "fp32"
+``torch.autocast`` (stream, probes, held-out, audit); ``fp32`` is no autocast. Not declared: the
+profile's ``[scoring] autocast`` (``EvalOptions.scoring_autocast``)."""
+DEFAULT_SCORING_AUTOCAST = None
 
 
 SKIPPED_DIRS = frozenset({BYTECODE_DIR})
@@ -124,7 +125,7 @@ class Bundle:
     training: Entrypoint
     tokenizer: str
     file_hashes: dict[str, str] = field(default_factory=dict)
-    scoring_autocast: str = DEFAULT_SCORING_AUTOCAST
+    scoring_autocast: str | None = DEFAULT_SCORING_AUTOCAST  # None: not declared (the profile's applies)
 
     @property
     def sha256(self) -> str:
@@ -187,11 +188,11 @@ def read_spec(root: Path) -> tuple[Entrypoint, Entrypoint, str]:
     return read_spec_full(root)[:3]
 
 
-def read_spec_full(root: Path) -> tuple[Entrypoint, Entrypoint, str, str]:
+def read_spec_full(root: Path) -> tuple[Entrypoint, Entrypoint, str, str | None]:
     """Read ``prism.yaml`` (if any): (architecture, training, tokenizer name, scoring autocast).
 
-    ``scoring_autocast`` is one of :data:`SCORING_AUTOCAST` (default
-    :data:`DEFAULT_SCORING_AUTOCAST`).
+    ``scoring_autocast`` is one of :data:`SCORING_AUTOCAST`, or ``None`` when not declared (the
+    run's profile then chooses, ``EvalOptions.scoring_autocast``).
 
     Raises:
         BundleError: (rule ``prism:spec``) malformed YAML (one line,
@@ -230,7 +231,7 @@ def read_spec_full(root: Path) -> tuple[Entrypoint, Entrypoint, str, str]:
     if not isinstance(tokenizer, str):
         raise _spec_error(f"{SPEC_FILE}: field 'tokenizer' must be a string")
     autocast = data.get("scoring_autocast", DEFAULT_SCORING_AUTOCAST)
-    if not isinstance(autocast, str) or autocast not in SCORING_AUTOCAST:
+    if autocast is not DEFAULT_SCORING_AUTOCAST and (not isinstance(autocast, str) or autocast not in SCORING_AUTOCAST):
         raise _spec_error(f"{SPEC_FILE}: field 'scoring_autocast' must be one of {', '.join(SCORING_AUTOCAST)} "
                           f"(the dtype of the harness's scoring forward under torch.autocast), got {autocast!r}")
     if arch.file == train.file:

@@ -24,13 +24,14 @@ from prism_challenge.options import (
     check_field,
 )
 from prism_challenge.failures import USAGE_STAGE
+from prism_challenge.bundle import SCORING_AUTOCAST
 from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
 
 EXIT_SCORED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 FLAG_NAMES = {"data_dir": "--data", "out_dir": "--out"}  # EvalOptions fields whose flag is not --field-name
 # EvalOptions fields a profile sets; the command line's value (when given) overrides it
 PROFILE_FIELDS = ("seq_len", "nproc", "device", "seed", "threads", "max_parameters", "token_budget",
-                  "byte_budget", "step_budget", "wall_clock_budget", "heldout_bytes")
+                  "byte_budget", "step_budget", "wall_clock_budget", "heldout_bytes", "scoring_autocast")
 
 
 def _field(name: str):
@@ -141,6 +142,9 @@ def add_eval_parser(sub: Any) -> None:
                    help=f"parameter cap: unique parameter and buffer elements {d('max_parameters')}")
     p.add_argument("--heldout-bytes", type=_field("heldout_bytes"), metavar="BYTES",
                    help=f"UTF-8 bytes of the val split for the held-out delta; 0 disables {d('heldout_bytes')}")
+    p.add_argument("--scoring-autocast", choices=list(SCORING_AUTOCAST),
+                   help="autocast dtype of the harness's scoring forwards for a bundle whose prism.yaml declares "
+                        f"no scoring_autocast (fp32: none) {d('scoring_autocast')}")
     _add_run_options(p)
 
 

@@ -4,8 +4,11 @@ After the scored run the trusted parent holds the scored model's ``state_dict`` 
 harness, not the submission). This module then scores, in a separate bounded process:
 
 * the **twin**: ``build_model(ctx)`` under the forced seed, untrained;
-* the **trained** model: built the same way, then ``load_state_dict(torch.load(state,
-  weights_only=True))`` (tensors only: a planted pickle cannot run code);
+* the **trained** model: built the same way, then loaded from ``torch.load(state,
+  weights_only=True)`` (tensors only: a planted pickle cannot run code), each tensor in its own
+  dtype (:func:`~prism_challenge.evaluator.statedict.load_scored_state`: a model the loop cast to
+  bf16 is scored in bf16); the twin takes the trained model's dtypes
+  (:func:`~prism_challenge.evaluator.statedict.in_dtypes_of`);
 
 on the same rows of a deterministic byte-budget prefix of the ``val`` split
 (:func:`prism_challenge.data.stream.heldout_stream`: whole documents while their UTF-8 bytes
@@ -222,6 +225,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from prism_challenge.evaluator.interface import PrismContext, run_context
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
+    from prism_challenge.evaluator.statedict import in_dtypes_of, load_scored_state
 
     device = start_cuda(str(config.get("device", "cpu")))  # CUDA starts before the hook is armed (cudainit)
     seed = int(config["seed"])
@@ -250,6 +254,12 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
             _runtime=runtime,
         )
         cap = int(config["max_parameters"])
+        stage = "load"
+        if hasattr(state, "seek"):
+            state.seek(0)
+        sd = torch.load(state, map_location="cpu", weights_only=True)
+        if not isinstance(sd, dict):
+            raise HeldoutError(f"load: the trained state is a {type(sd).__name__}, not a state_dict")
         models = {}
         names = ("trained",) if config.get("blind") else ("twin", "trained")
         for name in names:
@@ -260,14 +270,11 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
             count = count_unique_elements(model)[0]  # the runner's count (parameters + buffers)
             if count > cap:
                 raise HeldoutError(f"build: the model has {count} parameters, over the cap of {cap}")
-            if name == "trained":
-                stage = "load"
-                if hasattr(state, "seek"):
-                    state.seek(0)
-                sd = torch.load(state, map_location="cpu", weights_only=True)
-                if not isinstance(sd, dict):
-                    raise HeldoutError(f"load: the trained state is a {type(sd).__name__}, not a state_dict")
-                model.load_state_dict(sd, strict=True)
+            stage = "load"
+            if name == "trained":  # each tensor in its own dtype: the trained model as it is
+                load_scored_state(model, sd)
+            else:  # the twin in the trained model's dtypes: the loop's model before its first step
+                in_dtypes_of(model, sd)
             models[name] = (model.to(device), count)
         out: dict[str, Any] = {"batches": len(batches), "parameter_count": models["trained"][1]}
         stage = "score"

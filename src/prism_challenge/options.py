@@ -28,6 +28,7 @@ from prism_challenge.evaluator.jail import (
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES
 from prism_challenge.evaluator.launcher import MAX_NPROC
 from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
+from prism_challenge.bundle import SCORING_AUTOCAST
 from prism_challenge.profiles import Profile
 from prism_challenge.verdict import Policy
 
@@ -133,7 +134,8 @@ RULES: dict[str, Rule] = {
 """The range of every numeric field of :class:`EvalOptions` (defined once: the command line's
 argparse types call :func:`check_field` with the same rules)."""
 
-CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "isolation": ISOLATION_MODES}
+CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "isolation": ISOLATION_MODES,
+                                       "scoring_autocast": SCORING_AUTOCAST}
 FLAGS = ("run_gates", "static_gates", "audit_hooks", "warm_ranks")
 
 
@@ -192,6 +194,9 @@ class EvalOptions:
     probability at most ``(1 - f)^A``: :mod:`~prism_challenge.evaluator.auditplan`;
     ``heldout_timeout`` bounds the audit's children too); 0 turns the audit off (benchmarks
     only: an unaudited run takes the submission's word for its records).
+    ``scoring_autocast``: the autocast dtype of the harness's scoring forwards (``fp32``: none,
+    ``bf16``, ``fp16``) for a bundle whose ``prism.yaml`` declares no ``scoring_autocast`` (a
+    declared one wins); the profile's ``[scoring] autocast``.
     ``warm_ranks``: start each rank's process (interpreter, ``import torch``) while the gates run:
     one rank under the single-rank agent (:mod:`~prism_challenge.evaluator.single`), several for
     torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
@@ -247,6 +252,7 @@ class EvalOptions:
     heldout_timeout: float = DEFAULT_HELDOUT_TIMEOUT_S
     audited_batches: int = AUDITED_BATCHES
     policy: Policy = field(default_factory=Policy)
+    scoring_autocast: str = "fp32"
     warm_ranks: bool = True
     profile: Profile | None = None
     profile_overridden: list[str] = field(default_factory=list)

@@ -68,6 +68,7 @@ from prism_challenge.options import (  # noqa: F401 - re-exported: the pipeline'
 )
 from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
+from prism_challenge.scoringprecision import scoring_autocast, scoring_record
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
 from prism_challenge.verdict import build_verdict
 
@@ -812,7 +813,7 @@ def _model_config(opts: EvalOptions, bundle: Bundle, tokenizer, device: str) -> 
         "device": device,
         "bundle_root": str(bundle.root),
         "architecture": [bundle.architecture.module, bundle.architecture.symbol],
-        "scoring_autocast": bundle.scoring_autocast,
+        "scoring_autocast": scoring_autocast(opts, bundle)[0],
     }
 
 
@@ -906,7 +907,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         },
         "seed": opts.seed,
         "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads,
-                   "scoring_autocast": bundle.scoring_autocast,
+                   **scoring_record(opts, bundle),
                    "policy": dataclasses.asdict(opts.policy)},
         "budgets": {
             "token_budget": opts.token_budget,

@@ -68,6 +68,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
     from prism_challenge.evaluator.instrument import autocast_dtype
     from prism_challenge.evaluator.interface import run_context
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
+    from prism_challenge.evaluator.statedict import load_scored_state
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.heldout import _BuildOnly
 
@@ -99,7 +100,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
                 raise AuditError("build: the model is over the parameter cap")
             stage = "load"
             sd = torch.load(io.BytesIO(states[int(job["state"])]), map_location="cpu", weights_only=True)
-            model.load_state_dict(sd, strict=True)
+            load_scored_state(model, sd)  # each tensor in its own dtype: the model that scored
             model = model.to(device)
             stage = "score"
             tokens = torch.tensor(batch, dtype=torch.int64).to(device)  # a copy: the model may write to it

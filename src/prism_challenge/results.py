@@ -137,13 +137,18 @@ class VerdictPolicy(_Model):
 
 class RunConfig(_Model):
     """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank,
-    and ``prism.yaml``'s ``scoring_autocast`` (the dtype of the scoring forwards; absent before
-    it existed)."""
+    and the scoring precision (:mod:`prism_challenge.scoringprecision`): ``scoring_autocast``
+    (the autocast dtype of the scoring forwards; absent before it existed), where it came from
+    (``scoring_autocast_source``: ``prism.yaml``'s, or the profile's) and the attention kernels
+    of the scoring forwards (``scoring_sdpa``, in priority order); the last two absent before
+    issue 26."""
 
     sequence_length: Annotated[int, Field(ge=2)]
     max_parameters: Annotated[int, Field(ge=1)]
     threads: Annotated[int, Field(ge=1)]
     scoring_autocast: Literal["fp32", "bf16", "fp16"] | None = None
+    scoring_autocast_source: Literal["bundle", "profile"] | None = None
+    scoring_sdpa: list[str] | None = None
     policy: VerdictPolicy | None = None  # the verdict's policy (absent before issue 25's verify recomputed it)
 
 

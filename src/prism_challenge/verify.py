@@ -2,8 +2,9 @@
 recompute what a scored run directory holds, believing nothing it can recompute.
 
 In order, stopping at the first mismatch (exit 1, the mismatch named; exit 0 and ``verified``
-with the figures when all agree; exit 2 for a run directory, key or service it cannot read, or a
-re-execution it cannot make on this machine), a line per stage on stderr as it goes:
+with the figures when all agree; exit 2 for a run directory, key or service it cannot read, a
+CUDA run on a machine without CUDA, or a re-execution it cannot make on this machine), a line
+per stage on stderr as it goes:
 
 1. **certificate**: the manifest's ed25519 signature over its RFC 8785 canonical form
    (:mod:`prism_challenge.certificate`) verifies under a trusted key: the ``--key`` keys, the key
@@ -24,9 +25,10 @@ re-execution it cannot make on this machine), a line per stage on stderr as it g
    the ones the secret draws; and fresh jailed processes re-score them from the snapshot and
    re-run their blind probes (:mod:`prism_challenge.verify_audit`, :mod:`prism_challenge.rescore`): the re-scored nats must
    reproduce the records within the audit's tolerance
-   (:func:`~prism_challenge.evaluator.auditplan.within`). They run on the run's device kind when
-   this machine has it (a CUDA run verified on CPU differs by more than the tolerance: verify on
-   the device the run used);
+   (:func:`~prism_challenge.evaluator.auditplan.within`). They run on the run's device kind
+   under its recorded scoring autocast; a CUDA run on a machine without CUDA is refused before
+   any stage (exit 2, the run's device named: on CPU it would differ by more than the
+   tolerance, :func:`~prism_challenge.verify_audit.rescoring_device`);
 8. **re-execution** (``--reexecute``): the kept bundle runs again under the recorded settings,
    seed and secret (:mod:`prism_challenge.verify_reexecute`); the curve must be equal bit for
    bit, and the trained state's sha256.
@@ -175,6 +177,9 @@ def _trust(m: dict[str, Any], keys: list[str] | None, reexecute: bool, stages: _
         trusted_keys(keys)  # a key that cannot be read is the caller's error (exit 2), not a mismatch
     except CertificateError as exc:
         raise ValueError(str(exc)) from None
+    from prism_challenge.verify_audit import rescoring_device
+
+    rescoring_device(m)  # a CUDA run on a machine without CUDA is refused first (exit 2), naming the device
     if reexecute:  # before anything long: a re-execution this machine cannot make is refused first
         from prism_challenge.verify_reexecute import device_of
 
@@ -250,7 +255,8 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     Raises:
         Mismatch: the first thing that differs, named.
         ValueError: the run directory holds no readable scored manifest with an audit, a key
-            cannot be read, or the re-execution cannot be made here (another device kind).
+            cannot be read, the run was made on CUDA and this machine has none, or the
+            re-execution cannot be made here (another device kind).
     """
     stages = _Stages(say or _say)
     m = read_manifest(run_dir)
@@ -280,8 +286,8 @@ VERIFY_DESCRIPTION = (
     "the audit's draws from the revealed run_secret, then each audited batch re-scored in fresh "
     "sandboxed processes. A line per stage goes to stderr as it ends.")
 VERIFY_EPILOG = ("exit status: 0 verified; 1 mismatch (the first field that differs is named); 2 a "
-                 "directory without a scored, audited manifest, an unreadable key or service, or a "
-                 "re-execution this machine cannot make.")
+                 "directory without a scored, audited manifest, an unreadable key or service, a CUDA "
+                 "run on a machine without CUDA, or a re-execution this machine cannot make.")
 
 
 def add_verify_parser(sub: Any) -> None:

@@ -84,7 +84,7 @@ def children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[i
     from prism_challenge.rescore import AuditReport, Job, compare_blind, compare_rescore, run_both
 
     cfg, audit = manifest["config"], manifest["audit"]
-    device = "cuda" if manifest["compute"]["device"] == "cuda" and _cuda() else "cpu"
+    device = rescoring_device(manifest)
     module = manifest["bundle"]["architecture"].rpartition(":")[0].removesuffix(".py").replace("/", ".")
     from prism_challenge.certificate import user_key_path
 
@@ -136,6 +136,31 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def rescoring_device(manifest: dict[str, Any]) -> str:
+    """The device kind the audited batches are re-scored on: the run's own (``compute.device``).
+
+    Raises:
+        ValueError: the run was made on CUDA and this machine has no CUDA device; the message
+            names the run's device. Re-scored on CPU, a CUDA run's batches differ from their
+            records by more than the audit's tolerance (other kernels; bf16 autocast), so the
+            verdict would be a mismatch that says nothing about the run.
+    """
+    compute = manifest["compute"]
+    if compute["device"] != "cuda":
+        return "cpu"
+    if not _cuda():
+        gpu = compute.get("gpu") or {}
+        name = compute.get("device_name") or gpu.get("gpu_model") or "a CUDA GPU"
+        cap = f", compute capability {gpu['compute_capability']}" if gpu.get("compute_capability") else ""
+        raise ValueError(
+            f"the run was made on CUDA ({name}{cap}, torch {compute['torch_version']}) and this machine has no "
+            f"CUDA device: its audited batches are re-scored on the run's device (config.scoring_autocast "
+            f"{manifest['config'].get('scoring_autocast') or 'fp32'}), and on a CPU they differ from their records "
+            f"by more than the audit's tolerance; verify it on a machine with CUDA, the same GPU model for the "
+            f"closest match")
+    return "cuda"
 
 
 def filler(m: dict[str, Any], data: Any) -> np.ndarray | None:

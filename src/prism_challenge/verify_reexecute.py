@@ -65,6 +65,7 @@ def options_of(m: dict[str, Any], copy: Path, data_dir: Path, out_dir: Path, iso
         wall_clock_budget=budgets["wall_clock_budget_s"], nproc=compute["world_size"], device=device_of(m),
         warm_ranks=bool(compute.get("warm_ranks", True)), isolation=isolation,
         heldout_bytes=int(heldout["max_bytes"]) if heldout else 0,
+        scoring_autocast=cfg.get("scoring_autocast") or "fp32",
         audited_batches=int(schedule.get("audited_batches", audit["audited_batches_target"])),
         run_secret=bytes.fromhex(secret) if secret else None, signing_key_file=str(key_file))
 

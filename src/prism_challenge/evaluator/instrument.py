@@ -5,8 +5,8 @@ puts every module in eval mode, runs ``model(tokens)`` under ``torch.no_grad()``
 ``[B, T, V']`` (``V' >= V``), keeps the first ``V`` columns, takes ``log_softmax`` in float32 and
 sums the negative log-probability of ``tokens[:, 1:]`` at positions ``0..T-2`` in float64
 (block by block, :func:`target_logprobs`: the working set is at most :data:`SCORE_BLOCK_BYTES`
-beside the model's own logits; a bundle's ``scoring_autocast`` runs the forward under
-``torch.autocast``):
+beside the model's own logits; the forward runs under the run's scoring autocast and the
+harness's attention kernels, never the loop's: :func:`scoring_forward`):
 
     nats = - sum_{b, t=1..T-1} log p(tokens[b, t] | tokens[b, :t])
 
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from prism_challenge.evaluator.scoringstate import scoring_state
 
 
 class ContractError(RuntimeError):
@@ -224,11 +226,11 @@ def positions_logprobs(logits: torch.Tensor, points: Sequence[tuple[int, int]], 
 
 
 def scoring_forward(model: nn.Module, tokens: torch.Tensor, autocast: torch.dtype | None) -> object:
-    """``model(tokens)`` under the bundle's scoring autocast (``None``: as it is). The caller
-    holds ``no_grad`` and eval mode."""
-    if autocast is None:
-        return model(tokens)
-    with torch.autocast(device_type=tokens.device.type, dtype=autocast):
+    """``model(tokens)`` under the run's scoring autocast (``None``: autocast off) and the
+    harness's attention kernels, whatever autocast or ``sdpa_kernel`` the caller (the loop, in
+    the stream) is inside (:func:`~prism_challenge.evaluator.scoringstate.scoring_state`). The
+    caller holds ``no_grad`` and eval mode."""
+    with scoring_state(tokens.device.type, autocast):
         return model(tokens)
 
 

@@ -99,6 +99,18 @@ def force_determinism(seed: int, threads: int) -> None:
     force_seeds(seed)
 
 
+def _fp32_precision(path: str) -> Any:
+    """A reader of ``torch.backends[.path].fp32_precision``."""
+
+    def read() -> Any:
+        obj: Any = torch.backends
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part)
+        return obj.fp32_precision
+
+    return read
+
+
 DETERMINISM_FLAGS: tuple[tuple[str, Any], ...] = (
     ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled),
     ("torch.is_deterministic_algorithms_warn_only_enabled()", torch.is_deterministic_algorithms_warn_only_enabled),
@@ -111,9 +123,20 @@ DETERMINISM_FLAGS: tuple[tuple[str, Any], ...] = (
      lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
     ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
      lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+    ("torch.backends.cuda.matmul.allow_fp16_accumulation", lambda: torch.backends.cuda.matmul.allow_fp16_accumulation),
+    ("torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()",
+     lambda: torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()),
+    ("torch.backends.cuda.preferred_blas_library()", lambda: str(torch.backends.cuda.preferred_blas_library())),
+    ("torch.backends.cudnn.enabled", lambda: torch.backends.cudnn.enabled),
+    ("torch.backends.mkldnn.enabled", lambda: torch.backends.mkldnn.enabled),
+    *(("torch.backends." + (path + "." if path else "") + "fp32_precision", _fp32_precision(path))
+      for path in ("", "cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")),
 )
 """The settings :func:`force_determinism` fixes, and the precision switches next to them: name
--> reader. Reading all of them takes about 6 microseconds."""
+-> reader. The ``fp32_precision`` switches (torch 2.9's per-backend API: oneDNN's ``bf16`` on
+CPU is one of them) are read beside the older flags, which do not all reflect them. Each of
+these changes the numbers of the harness's scoring forward; the gate refuses them all
+(``prism:determinism``). Reading all of them takes about 30 microseconds."""
 
 
 def determinism_flags() -> dict[str, Any]:

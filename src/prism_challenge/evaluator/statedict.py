@@ -105,3 +105,73 @@ def rebuild(header: dict, payload: bytes | bytearray) -> tuple[str, torch.Tensor
     if numel == 0:
         return name, torch.empty(shape, dtype=dt)
     return name, torch.frombuffer(bytearray(payload), dtype=dt).reshape(shape).clone()
+
+
+def load_scored_state(model: torch.nn.Module, state: object) -> None:
+    """Load ``state`` (a ``state_dict`` read with ``torch.load(..., weights_only=True)``) into
+    ``model`` as the scored model held it: the names and shapes strictly ``model``'s (a missing,
+    unexpected or mis-shaped entry raises), and every tensor in **its own dtype**
+    (``load_state_dict(..., assign=True)``): a loop that cast its model to bf16 is re-scored in
+    bf16, not copied into ``build_model``'s float32 parameters (issue 26). Scoring the snapshot
+    as it is, is scoring the model that made the record; a dtype the loop chose changes nothing
+    else. The floating buffers that are not in any ``state_dict`` (``persistent=False``: a RoPE
+    or mask cache ``build_model`` makes again) follow :func:`cast_unsaved_buffers`.
+
+    Raises:
+        StateError: ``state`` is not a mapping of names to tensors.
+        RuntimeError: ``load_state_dict``'s own (missing or unexpected keys, a size mismatch).
+    """
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise StateError(f"the state is a {type(state).__name__}, not a state_dict of named tensors")
+    built = _dtypes(model)
+    model.load_state_dict(state, strict=True, assign=True)
+    cast_unsaved_buffers(model, state, built)
+
+
+def _dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def floating_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+    """The one dtype of every floating tensor of ``state``, or ``None`` when they have several (or
+    there is none)."""
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def cast_unsaved_buffers(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
+                         built: Mapping[str, torch.dtype]) -> None:
+    """Give ``model``'s floating buffers that no ``state_dict`` holds the dtype ``model.to(D)``
+    would have given them, when ``state`` shows that cast: every floating tensor of ``state`` is
+    of one dtype ``D`` (:func:`floating_dtype`) and at least one of them was built (``built``:
+    the dtypes ``build_model``'s module had, by name) in another dtype. ``build_model`` made
+    those buffers again with their values as they were built; a loop's
+    ``model.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``) had cast them too. Otherwise
+    (nothing was cast: a float32 RoPE table beside bf16 weights that ``build_model`` made so
+    stays float32; or a model cast in parts) they are left as built. In place, on their device."""
+    dtype = floating_dtype(state)
+    if dtype is None or all(built.get(k, dtype) == dtype for k, v in state.items() if v.is_floating_point()):
+        return
+    saved = set(model.state_dict())
+    for name, buf in list(model.named_buffers()):
+        if name not in saved and buf.is_floating_point() and buf.dtype != dtype:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._buffers[leaf] = buf.to(dtype)
+
+
+def in_dtypes_of(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Cast ``model``'s floating state entries to the dtypes of the same names in ``state`` (the
+    held-out twin, in the trained model's dtypes: the loop's own model as it stood before its
+    first step), then its unsaved buffers (:func:`cast_unsaved_buffers`). Names ``state`` lacks
+    keep their dtype."""
+    own, built = {}, _dtypes(model)
+    for name, value in model.state_dict().items():
+        other = state.get(name)
+        if (isinstance(value, torch.Tensor) and other is not None and value.is_floating_point()
+                and other.is_floating_point()):
+            value = value.detach().to(other.dtype)
+        own[name] = value
+    model.load_state_dict(own, strict=True, assign=True)
+    cast_unsaved_buffers(model, state, built)

@@ -3,9 +3,12 @@
 A profile (schema ``prism.profile.v1``, read with :mod:`tomllib`) names the data (a source, and
 for FineWeb-Edu its pinned dataset, subset, revision and ``max_bytes``; or a data MANIFEST
 sha256), the tokenizers allowed, ``seq_len`` (``ctx.max_seq_len``), the budgets (token, byte,
-step, wall clock), ``nproc``, the device kind, the held-out bytes, the verdict policy and the
-seed. Two ship with the package (:func:`profile_names`): ``local`` (the harness's defaults on
-the embedded corpus) and ``prism-v2`` (the challenge's official settings).
+step, wall clock), ``nproc``, the device kind, the held-out bytes, the verdict policy, the
+seed and the scoring precision (``[scoring] autocast``: the autocast dtype of the harness's
+scoring forwards for a bundle whose ``prism.yaml`` declares no ``scoring_autocast``; ``fp32``,
+no autocast, when the table is absent). Two ship with the package (:func:`profile_names`):
+``local`` (the harness's defaults on the embedded corpus) and ``prism-v2`` (the challenge's
+official settings).
 
 ``prism eval --profile NAME|FILE`` starts from a profile; a command-line option that sets a
 different value overrides it and the run manifest records the field
@@ -22,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from prism_challenge.bundle import SCORING_AUTOCAST
 from prism_challenge.verdict import Policy
 
 SCHEMA = "prism.profile.v1"
@@ -47,10 +51,13 @@ _FIELDS: dict[str, dict[str, tuple[str, tuple[type, ...], bool]]] = {
         "wall_clock_budget_s": ("wall_clock_budget", _NUM, False),
     },
     "heldout": {"bytes": ("heldout_bytes", _INT, True)},
+    "scoring": {"autocast": ("scoring_autocast", (str,), False)},
 }
 _DATA_KEYS = {"source": (str,), "dataset": (str,), "subset": (str,), "revision": (str,),
               "max_bytes": _INT, "manifest_sha256": (str,)}
-_TOP_KEYS = {"schema", "name", "version", "description", "data", "tokenizers", "run", "budgets", "heldout", "policy"}
+_TOP_KEYS = {"schema", "name", "version", "description", "data", "tokenizers", "run", "budgets", "heldout", "policy",
+             "scoring"}
+
 
 
 class ProfileError(ValueError):
@@ -80,7 +87,8 @@ class Profile:
         data: the data pin.
         tokenizers: the reference tokenizers a bundle may declare.
         options: EvalOptions keyword arguments (``seq_len``, ``nproc``, ``device``, ``seed``,
-            ``threads``, ``max_parameters``, the four budgets, ``heldout_bytes``, ``policy``).
+            ``threads``, ``max_parameters``, the four budgets, ``heldout_bytes``, ``policy``,
+            ``scoring_autocast``).
     """
 
     name: str
@@ -168,6 +176,11 @@ def _parse(doc: dict[str, Any], where: str, sha256: str) -> Profile:
             raise ProfileError(f"{where}: [run] {attr} = {options[attr]}: must be at least 1")
     if options["wall_clock_budget"] is not None:
         options["wall_clock_budget"] = float(options["wall_clock_budget"])
+    if options["scoring_autocast"] is None:  # a profile without [scoring]: no autocast
+        options["scoring_autocast"] = "fp32"
+    if options["scoring_autocast"] not in SCORING_AUTOCAST:
+        raise ProfileError(f"{where}: [scoring] autocast = {options['scoring_autocast']!r}: must be one of "
+                           f"{list(SCORING_AUTOCAST)}")
     options["policy"] = _policy(_table(doc, where, "policy"), where)
     return Profile(name=name, version=version, description=str(doc.get("description", "")), sha256=sha256,
                    path=where, data=_data(_table(doc, where, "data"), where),

@@ -97,7 +97,9 @@ def _normalized_file(root: Path, rel: str) -> str | None:
         return normalized_python(text, rel)
     if rel == SPEC_FILE:  # what it declares, never the document itself (YAML aliases could expand it
         arch, train, tokenizer, autocast = read_spec_full(root)  # exponentially: "billion laughs")
-        return json.dumps([f"{arch.file}:{arch.symbol}", f"{train.file}:{train.symbol}", tokenizer, autocast])
+        # not declared (None since issue 26: the profile's applies) reads as before, "fp32": the digests of
+        # bundles stored earlier stay what they were, and declaring the old default changes no family
+        return json.dumps([f"{arch.file}:{arch.symbol}", f"{train.file}:{train.symbol}", tokenizer, autocast or "fp32"])
     return None  # .md, .txt: unreadable by the bundle's code
 
 
