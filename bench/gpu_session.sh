@@ -5,17 +5,18 @@
 # The lead's call of the device tool (fetch the wheels here first: bash bench/gpu_session.sh --fetch-wheels):
 #   run(command="bash bench/gpu_session.sh", carry=["bench/wheels"], timeout_s=570)
 # Rerun chosen phases with what is left:  bash bench/gpu_session.sh --only probes,bigmodel --budget 240
+# (the wheels phase runs always: a later call usually gets a fresh machine)
 #
 # Phases, each under its own `timeout`, the next one run whatever the last gave:
 #   wheels    install bench/wheels offline into a site folder the sandbox can read; PRISM from src/
 #   facts     nvidia-smi, torch/CUDA, capability, driver, Python, disk, memory, cgroup, imports, corpus
 #   children  the jailed CUDA check child; the example and bench/bundles/cuda-count with the
 #             held-out stage and the audit on (their children start CUDA under the sandbox)
-#   probes    bench/bundles/probe-{compile,bf16cast,autocast}: small `prism eval` runs
-#   smoke     bench/gpu_smoke.py (example, bf16 bundle, example against the bare loop)
-#   bigmodel  bench/bundles/gpt100m (~100M parameters) against bench/bare_loop.py, fp32 and bf16
+#   probes    bench/bundles/probe-{bf16cast,autocast,compile}: small `prism eval` runs
+#   smoke     bench/gpu_smoke.py: the example against the bare loop, the bf16 bundle with held-out
+#   bigmodel  bench/bundles/gpt2-100m (~100M parameters) against bench/bare_loop.py, bf16 then fp32
 # Logs and summary.json go to $OUT (a temporary folder when unset): session.log, summary.json and
-# one log per phase (7 files: the device tool brings back 8 at most). Exit status 0 when every
+# one log per phase (8 files: the device tool brings back 8 at most). Exit status 0 when every
 # phase is ok. --dry-run: every phase on the CPU with small sizes (no GPU needed; the CI test
 # tests/test_gpu_session.py runs it).
 set -u -o pipefail
@@ -56,13 +57,13 @@ if [ "$DRY" = 1 ]; then
   declare -A CAP=([wheels]=60 [facts]=60 [children]=150 [probes]=180 [smoke]=180 [bigmodel]=150)
 else
   DEVICE=cuda; SMOKE_SIZE=; THREADS=2; BUDGET=${BUDGET:-540}
-  declare -A CAP=([wheels]=40 [facts]=30 [children]=80 [probes]=110 [smoke]=110 [bigmodel]=170)
+  declare -A CAP=([wheels]=30 [facts]=45 [children]=75 [probes]=120 [smoke]=105 [bigmodel]=165)
 fi
 START=$(date +%s); END=$((START + BUDGET))
 exec > >(tee -a "$OUT/session.log") 2>&1
 echo "== GPU session: device $DEVICE, dry run $DRY, budget ${BUDGET} s, OUT $OUT, python $(command -v "$PY")"
 
-wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+wanted() { [ -z "$ONLY" ] || [ "$1" = wheels ] || [[ ",$ONLY," == *",$1,"* ]]; }  # a fresh machine needs the wheels
 
 # limit NAME: the phase's limit, or what is left of the budget if less
 limit() { local left=$((END - $(date +%s) - 5)) cap=${CAP[$1]}; echo $(( left < cap ? left : cap )); }
@@ -125,7 +126,7 @@ phase children
 phase probes
 SMOKE_S=$(( $(limit smoke) - 5 ))
 run_phase smoke "$PY" bench/gpu_smoke.py --device "$DEVICE" $SMOKE_SIZE --threads "$THREADS" --deadline "$SMOKE_S" \
-  --part-timeout $(( SMOKE_S / 2 )) --overhead-cases example --repeats 1 --json "$WORK/smoke.json"
+  --part-timeout $(( SMOKE_S / 2 )) --only overhead,bf16 --overhead-cases example --repeats 1 --json "$WORK/smoke.json"
 phase bigmodel
 "$PY" bench/session_summary.py "$WORK" "$OUT" "$DRY" "$DEVICE" || true
 rc=$("$PY" -c "import json,sys; print(0 if json.load(open(sys.argv[1]))['ok'] else 1)" "$OUT/summary.json" 2>/dev/null || echo 1)

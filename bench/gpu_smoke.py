@@ -23,7 +23,7 @@ said so. A part that would start past the deadline is skipped and fails. Exit st
 part passed, 1 otherwise; ``--json PATH`` writes each part's outcome and figures. On a machine
 without CUDA, ``--device cpu --quick`` runs the same parts with small budgets (a few minutes on 2
 cores), so the script is checked end to end where no GPU is. Usage: ``python bench/gpu_smoke.py
-[--device cuda] [--quick] [--deadline 450] [--part-timeout 240] [--only example|bf16|overhead]
+[--device cuda] [--quick] [--deadline 450] [--part-timeout 240] [--only example,bf16,overhead]
 [--overhead-cases example,trivial] [--repeats N] [--json PATH]``.
 """
 
@@ -195,13 +195,15 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--deadline", type=float, default=450.0, help="seconds after which no part starts or runs")
     p.add_argument("--part-timeout", type=float, default=240.0, help="seconds each part may take at most")
-    p.add_argument("--only", choices=list(PARTS), help="run one part")
+    p.add_argument("--only", help="the parts to run, comma-separated, in this order (default: all)")
     p.add_argument("--overhead-cases", default="example,trivial", help="the overhead part's bundles, comma-separated")
     p.add_argument("--repeats", type=int, help="runs per side in the overhead part (default 2, quick 1)")
     p.add_argument("--json", help="write each part's outcome and figures to this file")
     a = p.parse_args()
     if any(c not in ("example", "trivial") for c in a.overhead_cases.split(",")):
         p.error(f"--overhead-cases: each of example, trivial; got {a.overhead_cases!r}")
+    if a.only and any(c not in PARTS for c in a.only.split(",")):
+        p.error(f"--only: each of {', '.join(PARTS)}; got {a.only!r}")
     return a
 
 
@@ -210,9 +212,8 @@ def main() -> int:
     size = lambda key: SIZES[key][1 if a.quick else 0]  # noqa: E731
     t0 = time.monotonic()
     results: dict[str, dict] = {}
-    for name, part in PARTS.items():
-        if a.only not in (None, name):
-            continue
+    for name in a.only.split(",") if a.only else PARTS:
+        part = PARTS[name]
         left = t0 + a.deadline - time.monotonic()
         if left < 5:
             results[name] = {"problems": [f"skipped: past the deadline of {a.deadline:g} s"]}

@@ -13,9 +13,9 @@ runs one phase within ``S`` seconds and writes its outcome to ``FILE`` as JSON: 
 * ``probes``: ``bench/bundles/probe-bf16cast``, ``probe-autocast`` and ``probe-compile``, each a
   one-line variant of the example, each a small ``prism eval`` (on a dry run the compile probe
   names the ``aot_eager`` backend: :data:`DRY_COMPILE`);
-* ``bigmodel``: ``bench/bundles/gpt100m`` (about 100M parameters) against the bare loop
-  (``bench/bare_loop.py``) in fp32 and in bf16 (``scoring_autocast: bf16``, the loop under bf16
-  autocast): tokens per second of both and the ratio.
+* ``bigmodel``: ``bench/bundles/gpt2-100m`` (about 100M parameters) against the bare loop
+  (``bench/bare_loop.py``) in bf16 (``scoring_autocast: bf16``, the loop under bf16 autocast)
+  and in fp32: tokens per second of both and the ratio, 16 batches of 16 x 512 tokens each.
 
 ``bench/session_summary.py`` gathers the phases' results into one summary JSON and a table.
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(BENCH))
 # (device, dry-run) sizes: tokens, seq_len, held-out bytes
 TINY = {"device": (8_192, 256, 100_000), "dry": (2_048, 64, 20_000)}
 # the large model: constants rewritten in its copies, and its runs' token budgets
-BIG = {"device": {"tokens": 196_608, "seq_len": 512, "batch": 16, "dims": {}},
+BIG = {"device": {"tokens": 131_072, "seq_len": 512, "batch": 16, "dims": {}},
        "dry": {"tokens": 2_048, "seq_len": 64, "batch": 2, "dims": {"D_MODEL": 32, "N_HEAD": 2, "N_LAYER": 2}}}
 IMPORTS = ("prism_challenge.cli", "prism_challenge.cli_eval", "prism_challenge.pipeline", "prism_challenge.certificate",
            "prism_challenge.verify", "prism_challenge.heldout", "prism_challenge.rescore_child",
@@ -213,15 +213,15 @@ def phase_probes(a: argparse.Namespace) -> int:
 
 
 def big_variant(work: Path, precision: str, dims: dict[str, int], batch: int) -> Path:
-    """A copy of ``bench/bundles/gpt100m`` under ``work``: ``dims`` (``D_MODEL``, ...) and
+    """A copy of ``bench/bundles/gpt2-100m`` under ``work``: ``dims`` (``D_MODEL``, ...) and
     ``BATCH`` rewritten, and for ``precision`` ``"bf16"`` the loop's ``AUTOCAST`` on and
     ``scoring_autocast: bf16`` in its ``prism.yaml``.
 
     Raises:
         ValueError: a constant to rewrite is not in the bundle as ``NAME = <int>`` once.
     """
-    out = work / f"gpt100m-{precision}"
-    shutil.copytree(BENCH / "bundles" / "gpt100m", out)
+    out = work / f"gpt2-100m-{precision}"
+    shutil.copytree(BENCH / "bundles" / "gpt2-100m", out)
 
     def rewrite(file: str, name: str, value: str) -> None:
         p = out / file
@@ -246,7 +246,7 @@ def phase_bigmodel(a: argparse.Namespace) -> int:
     ph = Phase("bigmodel", a)
     size = BIG["dry" if a.dry_run else "device"]
     with tempfile.TemporaryDirectory(prefix="prism-big-") as d:
-        for precision in ("fp32", "bf16"):
+        for precision in ("bf16", "fp32"):  # the chosen scoring precision first
             bundle = big_variant(Path(d), precision, size["dims"], size["batch"])
             try:
                 h = run_harness(str(bundle), size["tokens"], size["seq_len"], a.threads, "strict", device=a.device,

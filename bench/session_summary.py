@@ -7,7 +7,8 @@ Reads, for each phase ``NAME`` of :data:`ORDER`, ``WORK/NAME.rc`` (``"<exit stat
 ``OUT/summary.json``: ``{"ok", "dry_run", "device", "phases": [{"name", "status", "rc",
 "seconds", "limit_s", "problems", "result"}]}``. A phase's status is its result's (``ok`` or
 ``failed``); without a result, ``timeout`` for exit status 124 or 137, ``crashed`` for another,
-``skipped`` when it did not run (the note says why). Prints one table row per phase.
+``skipped`` when it did not run (the note says why). ``ok`` is true when every phase asked for
+(all, or those named by ``--only``) is ``ok``. Prints one table row per phase.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 ORDER = ("wheels", "facts", "children", "probes", "smoke", "bigmodel")
 STATUSES = ("ok", "failed", "timeout", "crashed", "skipped")
+NOT_ASKED = "not asked for"
+"""How the session's note of a phase left out by ``--only`` begins."""
 
 
 def _read(path: Path) -> str | None:
@@ -74,7 +77,8 @@ def headline(rec: dict) -> str:
 def summarize(work: Path, out: Path, dry_run: bool, device: str) -> int:
     """Write ``out/summary.json`` and print the table; 0 when every phase is ``ok``."""
     phases = [phase_record(work, name) for name in ORDER]
-    ok = all(p["status"] == "ok" for p in phases)
+    asked = [p for p in phases if not (p["note"] or "").startswith(NOT_ASKED)]
+    ok = bool(asked) and all(p["status"] == "ok" for p in asked)
     (out / "summary.json").write_text(json.dumps({"ok": ok, "dry_run": dry_run, "device": device, "phases": phases},
                                                  indent=1, default=str))
     print(f"\n== GPU session{' (dry run, cpu)' if dry_run else ''}: {'all phases ok' if ok else 'NOT all ok'}")

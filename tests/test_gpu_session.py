@@ -21,7 +21,7 @@ from helpers import EXAMPLE, REPO
 sys.path.insert(0, str(REPO / "bench"))
 from bounded import TIMED_OUT, run_bounded  # noqa: E402
 from session_phases import IMPORTS, big_variant  # noqa: E402
-from session_summary import ORDER, phase_record  # noqa: E402
+from session_summary import ORDER, phase_record, summarize  # noqa: E402
 
 GPU_PHASES = ("children", "probes", "smoke", "bigmodel")
 
@@ -71,7 +71,8 @@ def test_the_dry_run_runs_the_gpu_phases_on_cpu(dry_run):
     for key in ("compile", "bf16cast", "autocast"):
         assert probes[key]["status"] is not None and "problems" in probes[key]  # each probe ran and was judged
     smoke = phases["smoke"]["result"]["parts"]
-    assert set(smoke) == {"example", "bf16", "overhead"} and smoke["overhead"]["example"]["bare_tokens_per_s"] > 0
+    assert set(smoke) == {"bf16", "overhead"} and smoke["overhead"]["example"]["bare_tokens_per_s"] > 0
+    assert smoke["bf16"]["audit_passed"] is True and smoke["bf16"]["heldout_delta"] is not None
     big = phases["bigmodel"]["result"]
     for precision in ("fp32", "bf16"):
         assert big[precision]["tokens"] == 2048 and big[precision]["bare_tokens_per_s"] > 0
@@ -98,7 +99,7 @@ def test_the_large_models_variants_rewrite_its_constants(tmp_path):
     assert "BATCH = 2\n" in (fp32 / "training.py").read_text()
     arch = (fp32 / "architecture.py").read_text()
     assert "D_MODEL = 32\n" in arch and "N_HEAD = 2\n" in arch and "N_LAYER = 2\n" in arch
-    assert (bf16 / "architecture.py").read_text() == (REPO / "bench/bundles/gpt100m/architecture.py").read_text()
+    assert (bf16 / "architecture.py").read_text() == (REPO / "bench/bundles/gpt2-100m/architecture.py").read_text()
     # the shrunk model's parameters, by hand: per block 2 norms 4*32, qkv 32*96+96, proj 32*32+32,
     # fc 32*128+128, out 128*32+32; embedding 50257*32 (tied head), positions 64*32, final norm 64
     code = f"import sys; sys.path.insert(0, {str(fp32)!r}); import architecture as a; from types import " \
@@ -114,7 +115,7 @@ def test_a_variant_of_a_changed_bundle_names_the_missing_constant(tmp_path):
 
 
 def test_the_large_model_is_about_100m_parameters():
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench/bundles/gpt100m')!r}); import architecture as a; " \
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench/bundles/gpt2-100m')!r}); import architecture as a; " \
            "from types import SimpleNamespace as N; m = a.build_model(N(vocab_size=50257, max_seq_len=512)); " \
            "print(sum(p.numel() for p in m.parameters()))"
     count = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -145,6 +146,22 @@ def test_the_summary_reads_each_phases_outcome(tmp_path):
     assert got["children"]["limit_s"] == 80.0 and got["wheels"]["note"] == "no time left"
     _write(tmp_path, "facts", "3 3 30", {"status": "ok", "problems": []})  # said ok, exited 3
     assert phase_record(tmp_path, "facts")["status"] == "failed"
+
+
+def test_a_rerun_of_some_phases_is_judged_on_those_alone(tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir(), out.mkdir()
+    _write(work, "wheels", "0 4 30", None)
+    _write(work, "probes", "0 50 120", {"status": "ok", "problems": []})
+    for name in ("facts", "children", "smoke", "bigmodel"):
+        _write(work, name, note="not asked for (--only probes)")
+    assert summarize(work, out, False, "cuda") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and [p["status"] for p in summary["phases"]] == [
+        "ok", "skipped", "skipped", "ok", "skipped", "skipped"]
+    assert re.search(r"^probes\s+ok\s+50\s+120", capsys.readouterr().out, re.M)
+    (work / "bigmodel.note").write_text("no time left in the budget of 540 s")  # asked for, not run
+    assert summarize(work, out, False, "cuda") == 1
 
 
 def test_a_bounded_command_past_its_limit_ends_with_its_whole_group(tmp_path):
