@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from prism_challenge.bundle import load_bundle
+from prism_challenge.evaluator import isolation
 from prism_challenge.gates import run_gates
 
 from helpers import EXAMPLE, REPO
@@ -250,3 +251,35 @@ def test_the_session_script_names_the_command_the_lead_runs():
     assert 'run(command="bash bench/gpu_session.sh", carry=["bench/wheels"], timeout_s=570)' in head
     readme = (REPO / "README.md").read_text()
     assert 'carry=["bench/wheels"], timeout_s=570' in readme
+
+
+def _image_guard(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text((REPO / "tests" / "image_guard.py").read_text())
+    (folder / "gpu_wheels.txt").write_text((REPO / "bench" / "gpu_wheels.txt").read_text())
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
+def test_an_eval_needs_only_what_the_gpu_image_and_the_wheels_hold(tmp_path):
+    """A whole ``prism eval`` (ranks, held-out and audit children, all sandboxed) with every
+    installed distribution outside the GPU image and ``bench/gpu_wheels.txt`` made unimportable."""
+    guard = _image_guard(tmp_path / "guard")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(guard), str(REPO / "src")])}
+    probe = "import sys, tempfile\nfrom prism_challenge.evaluator.jail import Jail\nfrom prism_challenge.evaluator." \
+            "isolation import Limits\nj = Jail.open('strict', bundle_dir=tempfile.mkdtemp(), hidden=[], limits=Limits()," \
+            " threads=1)\nr = j.run([sys.executable, '-c', 'import sqlalchemy'], timeout_s=60)\nj.close()\n" \
+            "print(r.returncode, r.stderr.decode().strip().splitlines()[-1])"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert res.stdout.strip().endswith("ModuleNotFoundError: No module named 'sqlalchemy' (not on the GPU image)"), \
+        res.stdout + res.stderr  # the guard holds inside the sandbox too
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "prism_challenge.cli", "eval", str(EXAMPLE), "--device", "cpu",
+                          "--token-budget", "2048", "--seq-len", "64", "--threads", "1", "--heldout-bytes", "20000",
+                          "--quiet", "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert "image guard:" not in res.stderr, res.stderr
+    manifest = json.loads((out / "prism_run_manifest.v2.json").read_text())
+    assert manifest["status"] == "scored" and manifest["audit"]["passed"] is True, manifest.get("failure")
+    assert manifest["verdict"]["flags"] == [] and manifest["verdict"]["heldout"] is not None
+    assert "image guard:" not in (out / "logs" / "runner.log").read_text()
