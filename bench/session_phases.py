@@ -214,8 +214,8 @@ def phase_probes(a: argparse.Namespace) -> int:
 
 def big_variant(work: Path, precision: str, dims: dict[str, int], batch: int) -> Path:
     """A copy of ``bench/bundles/gpt2-100m`` under ``work``: ``dims`` (``D_MODEL``, ...) and
-    ``BATCH`` rewritten, and for ``precision`` ``"bf16"`` the loop's ``AUTOCAST`` on and
-    ``scoring_autocast: bf16`` in its ``prism.yaml``.
+    ``BATCH`` rewritten, ``scoring_autocast: <precision>`` (``"fp32"`` or ``"bf16"``) in its
+    ``prism.yaml`` whatever the profile's, and for ``"bf16"`` the loop's ``AUTOCAST`` on.
 
     Raises:
         ValueError: a constant to rewrite is not in the bundle as ``NAME = <int>`` once.
@@ -235,8 +235,8 @@ def big_variant(work: Path, precision: str, dims: dict[str, int], batch: int) ->
     rewrite("training.py", "BATCH", str(batch))
     if precision == "bf16":
         rewrite("training.py", "AUTOCAST", "True")
-        with open(out / "prism.yaml", "a") as f:
-            f.write("scoring_autocast: bf16\n")
+    with open(out / "prism.yaml", "a") as f:
+        f.write(f"scoring_autocast: {precision}\n")
     return out
 
 
