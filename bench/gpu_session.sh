@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 PY=${PRISM_PYTHON:-python3}
-WHEELS="$REPO/bench/wheels"
+WHEELS=${PRISM_WHEELS:-$REPO/bench/wheels}
 LIST="$REPO/bench/gpu_wheels.txt"
 
 if [ "$FETCH" = 1 ]; then  # here, with network: the wheels the device image lacks, for its Python
@@ -110,7 +110,8 @@ if [ "$(id -u)" = 0 ] && [ "$DRY" = 0 ] && ! world_readable "$REPO"; then
 else
   REPO_RUN=$REPO
 fi
-if [ "$DRY" = 0 ] && [ "$(id -u)" = 0 ]; then SITE=/opt/prism-site; else SITE=${PRISM_SITE:-$HOME/.cache/prism-session-site}; fi
+# the wheels' site folder: outside /tmp (the sandbox's /tmp is its own), readable by the ranks' uid
+if [ "$DRY" = 0 ] && [ "$(id -u)" = 0 ]; then SITE=${PRISM_SITE:-/opt/prism-site}; else SITE=${PRISM_SITE:-$HOME/.cache/prism-session-site}; fi
 export SITE
 cd "$REPO_RUN" || exit 1
 run_phase wheels bash -c install_wheels

@@ -60,7 +60,7 @@ def prism_eval(bundle: Path, device: str, *, tokens: int, seq_len: int, heldout_
     """One ``prism eval`` (strict isolation, one rank) in its own process group, ended past
     ``timeout_s``; its manifest, with ``_wall_s`` (the command's whole time), ``_output`` (its
     last lines) and ``_heldout_bytes`` added. A run that left no manifest reads as failed at
-    stage ``none`` (or ``timeout`` when it was ended at its limit)."""
+    stage ``none`` (or ``timeout`` when it was ended at its limit), with its last line of output."""
     with tempfile.TemporaryDirectory(prefix="prism-smoke-") as d:
         out = Path(d) / "run"
         cmd = [sys.executable, "-m", "prism_challenge.cli", "eval", str(bundle), "--device", device, "--nproc", "1",
@@ -72,7 +72,8 @@ def prism_eval(bundle: Path, device: str, *, tokens: int, seq_len: int, heldout_
             manifest = json.loads((out / "prism_run_manifest.v2.json").read_text())
         except OSError:
             stage = "timeout" if proc.timed_out else "none"
-            manifest = {"status": "failed", "failure": {"stage": stage, "message": "no manifest"}}
+            last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
+            manifest = {"status": "failed", "failure": {"stage": stage, "message": f"no manifest: {last[0][:400]}"}}
         manifest["_wall_s"] = time.time() - t0
         manifest["_output"] = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
         manifest["_heldout_bytes"] = heldout_bytes

@@ -88,7 +88,7 @@ def summarize(work: Path, out: Path, dry_run: bool, device: str) -> int:
         lim = "" if p["limit_s"] is None else f"{p['limit_s']:.0f}"
         print(f"{p['name']:<10} {p['status']:<8} {secs:>8} {lim:>6}  {headline(p)[:150]}")
         for problem in p["problems"][:6]:
-            print(f"{'':<36}! {str(problem)[:200]}")
+            print(f"{'':<36}! {' '.join(str(problem).split())[:200]}")
     return 0 if ok else 1
 
 
