@@ -85,7 +85,7 @@ run_phase() {
 
 install_wheels() {  # the wheels the image lacks, offline; on a dry run, checked against the device's tags
   if [ ! -d "$WHEELS" ] || ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-    if [ "$DRY" = 1 ]; then echo "no bench/wheels here: nothing to check (a dry run uses this Python's packages)"; return 0; fi
+    [ "$DRY" = 1 ] && { echo "no bench/wheels here: nothing to check (a dry run uses this Python's packages)"; return 0; }
     echo "bench/wheels is missing: run 'bash bench/gpu_session.sh --fetch-wheels' here and carry bench/wheels"; return 1
   fi
   if [ "$DRY" = 1 ]; then  # would they install on the device (Python 3.12, manylinux x86_64)?
@@ -94,14 +94,18 @@ install_wheels() {  # the wheels the image lacks, offline; on a dry run, checked
       --target "$WORK/site-check" && echo "every pinned wheel installs for cp312 manylinux x86_64"
     return
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" --find-links "$WHEELS" -r "$LIST" \
+  "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" \
+    --find-links "$WHEELS" -r "$LIST" \
     && echo "installed into $SITE: $(ls "$SITE" | grep -c dist-info) distributions"
 }
 export -f install_wheels
 export PY WHEELS LIST WORK DRY
 
 # The ranks run as an unprivileged uid when the session is root: they must read PRISM's source.
-world_readable() { local p=$1; while [ "$p" != / ]; do [[ $(stat -c %A "$p") == *x ]] || [[ $(stat -c %A "$p") == *t ]] || return 1; p=$(dirname "$p"); done; }
+world_readable() {  # every folder from / down to $1 lets others through
+  local p=$1
+  while [ "$p" != / ]; do [[ $(stat -c %A "$p") == *[xt] ]] || return 1; p=$(dirname "$p"); done
+}
 if [ "$(id -u)" = 0 ] && [ "$DRY" = 0 ] && ! world_readable "$REPO"; then
   COPY=/opt/prism-session/repo; rm -rf "$COPY"; mkdir -p "$COPY"
   (cd "$REPO" && tar --exclude=./.git --exclude=./bench/wheels -cf - .) | (cd "$COPY" && tar -xf -)
@@ -111,11 +115,13 @@ else
   REPO_RUN=$REPO
 fi
 # the wheels' site folder: outside /tmp (the sandbox's /tmp is its own), readable by the ranks' uid
-if [ "$DRY" = 0 ] && [ "$(id -u)" = 0 ]; then SITE=${PRISM_SITE:-/opt/prism-site}; else SITE=${PRISM_SITE:-$HOME/.cache/prism-session-site}; fi
+SITE=${PRISM_SITE:-$HOME/.cache/prism-session-site}
+[ "$DRY" = 0 ] && [ "$(id -u)" = 0 ] && SITE=${PRISM_SITE:-/opt/prism-site}
 export SITE
 cd "$REPO_RUN" || exit 1
 run_phase wheels bash -c install_wheels
-if [ "$DRY" = 0 ]; then export PYTHONPATH="$SITE:$REPO_RUN/src${PYTHONPATH:+:$PYTHONPATH}"; else export PYTHONPATH="$REPO_RUN/src${PYTHONPATH:+:$PYTHONPATH}"; fi
+export PYTHONPATH="$REPO_RUN/src${PYTHONPATH:+:$PYTHONPATH}"  # PRISM itself, from its source
+[ "$DRY" = 0 ] && export PYTHONPATH="$SITE:$PYTHONPATH"
 export PYTHONUNBUFFERED=1
 DRYFLAG=$([ "$DRY" = 1 ] && echo --dry-run)
 phase() {  # phase NAME: bench/session_phases.py NAME, told to end 5 s before its limit
@@ -130,7 +136,8 @@ run_phase smoke "$PY" bench/gpu_smoke.py --device "$DEVICE" $SMOKE_SIZE --thread
   --part-timeout $(( SMOKE_S / 2 )) --only overhead,bf16 --overhead-cases example --repeats 1 --json "$WORK/smoke.json"
 phase bigmodel
 "$PY" bench/session_summary.py "$WORK" "$OUT" "$DRY" "$DEVICE" || true
-rc=$("$PY" -c "import json,sys; print(0 if json.load(open(sys.argv[1]))['ok'] else 1)" "$OUT/summary.json" 2>/dev/null || echo 1)
+rc=$("$PY" -c "import json,sys; print(0 if json.load(open(sys.argv[1]))['ok'] else 1)" "$OUT/summary.json" \
+  2>/dev/null || echo 1)
 echo "== $(( $(date +%s) - START )) s in all; logs and summary.json in $OUT"
 rm -rf "$WORK"
 exit "$rc"

@@ -121,6 +121,7 @@ def stream_rate(m: dict) -> float | None:
 
 
 def part_example(a: argparse.Namespace, size, limit: float) -> dict:
+    """The example on the device, held-out off, within ``limit`` seconds: its :func:`run_record`."""
     m = prism_eval(EXAMPLE, a.device, tokens=size("example_tokens"), seq_len=size("seq_len"), heldout_bytes=0,
                    threads=a.threads, timeout_s=limit)
     rec = run_record(m)
@@ -136,6 +137,7 @@ def part_example(a: argparse.Namespace, size, limit: float) -> dict:
 
 
 def part_bf16(a: argparse.Namespace, size, limit: float) -> dict:
+    """The bf16-autocast bundle with the held-out stage, within ``limit`` seconds: its :func:`run_record`."""
     m = prism_eval(BF16, a.device, tokens=size("bf16_tokens"), seq_len=size("seq_len"),
                    heldout_bytes=size("bf16_heldout"), threads=a.threads, timeout_s=limit)
     rec = run_record(m)
@@ -173,6 +175,8 @@ def overhead_case(a: argparse.Namespace, size, case: tuple, deadline: float) -> 
 
 
 def part_overhead(a: argparse.Namespace, size, limit: float) -> dict:
+    """``--overhead-cases`` against the bare loop within ``limit`` seconds in all: each case's
+    figures (:func:`overhead_case`) and the part's problems."""
     cases = {"example": ("example (tiny-1m, gpt2)", EXAMPLE, size("overhead_example"), 4, 256, 50257),
              "trivial": ("trivial (bytes, 8x1024)", TRIVIAL, size("overhead_trivial"), 8, 1024, 257)}
     deadline = time.monotonic() + limit

@@ -126,6 +126,8 @@ def _memory() -> dict:
 
 
 def phase_facts(a: argparse.Namespace) -> int:
+    """The host, PRISM's imports (each failure a problem), the corpus built once; on a CUDA
+    session a torch that sees no GPU is a problem. Exit status 0 when ok."""
     ph = Phase("facts", a)
     ph.data.update(python=sys.version.split()[0], executable=sys.executable, platform=platform.platform(),
                    cpus=os.cpu_count(), uid=os.getuid(), memory=_memory(), cgroup=_cgroup(),
@@ -165,6 +167,8 @@ def phase_facts(a: argparse.Namespace) -> int:
 
 
 def phase_children(a: argparse.Namespace) -> int:
+    """The jailed CUDA check child (on a CPU host it must report ``is_available() is False``),
+    then the example and the cuda-count bundle with held-out and audit children. Exit status 0 when ok."""
     from prism_challenge.evaluator import gpu
     from prism_challenge.evaluator.isolation import Limits
     from prism_challenge.evaluator.jail import Jail
@@ -196,6 +200,7 @@ inductor's C++ build of the kernels (90 s of a 2-core machine; on CUDA inductor 
 
 
 def phase_probes(a: argparse.Namespace) -> int:
+    """The three probe bundles, each a small honest run that must come out clean. Exit status 0 when ok."""
     ph = Phase("probes", a)
     tokens, seq_len, heldout = TINY["dry" if a.dry_run else "device"]
     with tempfile.TemporaryDirectory(prefix="prism-probes-") as d:
@@ -241,6 +246,9 @@ def big_variant(work: Path, precision: str, dims: dict[str, int], batch: int) ->
 
 
 def phase_bigmodel(a: argparse.Namespace) -> int:
+    """The large model in bf16 then fp32: the harness's run, then the bare loop on the batches the
+    harness streamed; tokens per second over each stream and their ratio (bare time / harness
+    time). A run that fails, carries a flag or whose audit did not pass is a problem."""
     from overhead import BenchFailure, cut_batches, run_bare, run_harness
 
     ph = Phase("bigmodel", a)
@@ -260,7 +268,8 @@ def phase_bigmodel(a: argparse.Namespace) -> int:
                 print(f"[bigmodel] {precision}: FAILED: {str(exc)[:800]}", flush=True)
                 continue
             tokens = h["tokens"]
-            rec = {"tokens": tokens, "harness_tokens_per_s": tokens / h["stream"], "bare_tokens_per_s": tokens / b["stream"],
+            rec = {"tokens": tokens, "harness_tokens_per_s": tokens / h["stream"],
+                   "bare_tokens_per_s": tokens / b["stream"],
                    "ratio_stream": b["stream"] / h["stream"], "ratio_whole": b["total"] / h["whole"],
                    "harness_whole_s": h["whole"], "harness_after_stream_s": h["after"], "bare_total_s": b["total"],
                    "final_score": h["final_score"], "flags": h["flags"], "audit_passed": h["audit_passed"],
@@ -268,8 +277,8 @@ def phase_bigmodel(a: argparse.Namespace) -> int:
             ph.data[precision] = rec
             ph.problems += [f"{precision}: flag {f}" for f in h["flags"] if f != "heldout_unavailable"]
             ph.problems += [f"{precision}: audit not passed"] if h["audit_passed"] is not True else []
-            print(f"[bigmodel] {precision}: {tokens:,} tokens; harness {rec['harness_tokens_per_s']:,.0f} tokens/s over "
-                  f"the stream, bare {rec['bare_tokens_per_s']:,.0f}: ratio {rec['ratio_stream']:.3f} (whole command "
+            print(f"[bigmodel] {precision}: {tokens:,} tokens; harness {rec['harness_tokens_per_s']:,.0f} "
+                  f"tokens/s over the stream, bare {rec['bare_tokens_per_s']:,.0f}: ratio {rec['ratio_stream']:.3f} (whole command "
                   f"{rec['ratio_whole']:.3f}; after the stream {h['after']:.1f} s); final_score {h['final_score']}, "
                   f"flags {h['flags']}, audit passed {h['audit_passed']}", flush=True)
     return ph.finish()

@@ -59,15 +59,20 @@ def phase_record(work: Path, name: str) -> dict:
 def headline(rec: dict) -> str:
     """The row's figures: what the phase measured, in a few words."""
     r = rec.get("result") or {}
+    if rec["status"] == "skipped":
+        return rec.get("note") or ""
     if rec["name"] == "facts":
         t = r.get("torch") or {}
-        return f"torch {t.get('version')}, cuda {t.get('cuda_available')}, {t.get('name')} {t.get('capability')}, python {r.get('python')}"
+        return (f"torch {t.get('version')}, cuda {t.get('cuda_available')}, {t.get('name')} {t.get('capability')}, "
+                f"python {r.get('python')}")
     if rec["name"] in ("children", "probes"):
         runs = {k: v for k, v in r.items() if isinstance(v, dict) and "final_score" in v}
         return "; ".join(f"{k} score {v['final_score']} audit {v['audit_passed']}" for k, v in runs.items())
     if rec["name"] == "smoke":
         o = ((r.get("parts") or {}).get("overhead") or {}).get("example") or {}
-        return f"example ratio {o.get('ratio_stream', 0):.3f} ({o.get('harness_tokens_per_s', 0):,.0f} tok/s)" if o else ""
+        if not o:
+            return ""
+        return f"example ratio {o['ratio_stream']:.3f} ({o['harness_tokens_per_s']:,.0f} vs bare {o['bare_tokens_per_s']:,.0f} tok/s)"
     if rec["name"] == "bigmodel":
         return "; ".join(f"{p} {r[p]['harness_tokens_per_s']:,.0f} vs bare {r[p]['bare_tokens_per_s']:,.0f} tok/s, "
                          f"ratio {r[p]['ratio_stream']:.3f}" for p in ("fp32", "bf16") if p in r)
