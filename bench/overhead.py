@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,13 @@ from prism_challenge.evaluator.launcher import compute_env
 from prism_challenge.tokenizers import reference_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from bounded import run_bounded  # noqa: E402
+
+
+class BenchFailure(RuntimeError):
+    """A side of the comparison did not finish: the harness did not score, or a command failed
+    or ran past its limit; the message says which and why."""
 
 
 def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -> None:
@@ -66,47 +72,64 @@ def cut_batches(bundle: str, tokens: int, batch: int, seq_len: int, out: Path) -
 
 
 def run_harness(bundle: str, tokens: int, seq_len: int, threads: int, isolation: str = "strict",
-                heldout_bytes: int = 0, warm_ranks: bool = True, device: str = "cpu") -> dict:
+                heldout_bytes: int = 0, warm_ranks: bool = True, device: str = "cpu",
+                timeout_s: float | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One scored run as the user runs it: the whole ``prism eval`` command in its own process
     (``python -m prism_challenge.cli eval``; with ``warm_ranks=False`` the same pipeline through
-    ``evaluate()`` with cold ranks) on ``device``. Seconds; see the module docstring."""
+    ``evaluate()`` with cold ranks) on ``device``, ended with its process group past
+    ``timeout_s``; ``extra``: more ``prism eval`` options. Seconds (see the module docstring),
+    the stream's tokens, and the verdict's flags, ``final_score`` and whether the audit passed.
+
+    Raises:
+        BenchFailure: the run did not score, or ran past ``timeout_s``.
+    """
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "run"
         if warm_ranks:
             cmd = [sys.executable, "-m", "prism_challenge.cli", "eval", bundle, "--token-budget", str(tokens),
                    "--seq-len", str(seq_len), "--threads", str(threads), "--out", str(out), "--device", device,
-                   "--isolation", isolation, "--heldout-bytes", str(heldout_bytes), "--no-progress"]
+                   "--isolation", isolation, "--heldout-bytes", str(heldout_bytes), "--no-progress", *extra]
         else:
             opts = dict(bundle=bundle, token_budget=tokens, seq_len=seq_len, threads=threads, out_dir=str(out),
                         device=device, isolation=isolation, heldout_bytes=heldout_bytes, warm_ranks=False)
             cmd = [sys.executable, "-c", "import sys, json; from prism_challenge.pipeline import EvalOptions, evaluate; "
                    "evaluate(EvalOptions(**json.loads(sys.argv[1])))", json.dumps(opts)]
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = run_bounded(cmd, timeout_s)
         try:
             manifest = json.loads((out / "prism_run_manifest.v2.json").read_text())
         except OSError:
-            raise SystemExit(f"harness run ({isolation}) failed: {proc.stdout[-2000:]} {proc.stderr[-2000:]}") from None
+            raise BenchFailure(f"harness run ({isolation}) failed{' (past its limit)' if proc.timed_out else ''}: "
+                               f"{proc.stdout[-2000:]} {proc.stderr[-2000:]}") from None
     if manifest.get("status") != "scored":
-        raise SystemExit(f"harness run ({isolation}) failed: {manifest.get('failure')}")
+        raise BenchFailure(f"harness run ({isolation}) failed: {manifest.get('failure')}")
     t = manifest["timing"]
-    heldout = ((manifest.get("verdict") or {}).get("heldout") or {}).get("wall_s")
-    return {"whole": t["last_record_unix"] - t0, "exposed": t["release_to_last_record_s"],
+    verdict = manifest.get("verdict") or {}
+    heldout = (verdict.get("heldout") or {}).get("wall_s")
+    return {"tokens": (manifest.get("stream") or {}).get("tokens"), "flags": verdict.get("flags") or [],
+            "final_score": verdict.get("final_score"), "audit_passed": (manifest.get("audit") or {}).get("passed"),
+            "whole": t["last_record_unix"] - t0, "exposed": t["release_to_last_record_s"],
             "total": t["launch_to_last_record_s"], "stream": t["launch_to_last_record_s"] - t["launch_to_first_batch_s"],
             "gates": t["gates_s"], "after": t["after_stream_s"], "bpb": manifest["score"]["prequential_bpb"],
             "heldout": heldout}
 
 
 def run_bare(bundle: str, batches: Path, vocab: int, seq_len: int, threads: int, audit: bool = False,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", timeout_s: float | None = None) -> dict:
     """The bare script's whole process: its launch -> its last batch (``audit``: with the
-    runtime audit hook armed, as in a rank), on ``device``."""
+    runtime audit hook armed, as in a rank), on ``device``, ended past ``timeout_s``. Seconds.
+
+    Raises:
+        BenchFailure: the script failed or ran past ``timeout_s``.
+    """
     t0 = time.time()
-    out = subprocess.run(
+    out = run_bounded(
         [sys.executable, str(ROOT / "bench" / "bare_loop.py"), bundle, str(batches), "--vocab-size", str(vocab),
          "--seq-len", str(seq_len), "--threads", str(threads), "--device", device, *(["--audit"] if audit else [])],
-        check=True, capture_output=True, text=True, env={**os.environ, **compute_env(threads)},
+        timeout_s, env={**os.environ, **compute_env(threads)},
     )
+    if out.returncode != 0:
+        raise BenchFailure(f"bare loop failed{' (past its limit)' if out.timed_out else ''}: {out.stderr[-2000:]}")
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     return {"total": rec["t_last_batch"] - t0, "stream": rec["t_last_batch"] - rec["t_first_batch"],
             "batches": rec["batches"]}
@@ -137,6 +160,14 @@ def bench_cases(a: argparse.Namespace) -> list[tuple[str, str, int, int, int, in
 
 
 def main() -> None:
+    try:
+        compare()
+    except BenchFailure as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def compare() -> None:
+    """The benchmark itself (see the module docstring); raises :class:`BenchFailure`."""
     p = bench_arguments(__doc__.split("\n")[0])
     p.add_argument("--isolation", choices=["strict", "none"], default="strict")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run")

@@ -30,3 +30,34 @@ def test_the_smoke_bench_runs_the_example_on_cpu(tmp_path):
     stack = json.loads(next(x for x in lines if x.startswith("[example] gpu stack: ")).split(": ", 1)[1])
     assert stack["device"] == "cpu" and stack["gpu_count"] is None
     assert lines[-1].startswith("== gpu smoke on cpu (quick): example ok in ")
+
+
+sys.path.insert(0, str(REPO / "bench"))
+from gpu_smoke import honest_problems  # noqa: E402
+
+
+def _manifest(flags=(), final=0.18, passed=True, heldout_bytes=20_000, heldout_error=None, status="scored"):
+    return {"status": status, "failure": None if status == "scored" else {"stage": "train", "message": "boom"},
+            "verdict": {"flags": list(flags), "final_score": final, "heldout_error": heldout_error},
+            "audit": {"passed": passed, "error": None if passed else "audited batch 2: recorded 10727.824262619019 "
+                      "nats, re-scored 10727.837071418762 nats", "mismatch": None},
+            "_heldout_bytes": heldout_bytes}
+
+
+def test_a_run_zeroed_by_its_audit_is_a_failure_not_a_pass():
+    # issue 26's bf16-cast example: scored, but the audit zeroed it
+    problems = honest_problems(_manifest(flags=["audit"], final=0.0, passed=False))
+    assert problems[0] == "flag audit"
+    assert problems[1].startswith("audit not passed: error 'audited batch 2: recorded 10727.824262619019 nats")
+    assert problems[2] == "final_score 0.0"
+    assert len(problems) == 3
+
+
+def test_a_clean_run_has_no_problem_and_a_disabled_heldout_is_admitted_only_when_off():
+    assert honest_problems(_manifest()) == []
+    assert honest_problems(_manifest(flags=["heldout_unavailable"], heldout_bytes=0)) == []
+    assert honest_problems(_manifest(flags=["heldout_unavailable"], heldout_error="data: too small")) == [
+        "flag heldout_unavailable", "heldout_error data: too small"]
+    assert honest_problems(_manifest(flags=["memorization"])) == ["flag memorization"]
+    assert honest_problems({**_manifest(), "audit": None}) == ["audit not passed: error None, mismatch None"]
+    assert honest_problems(_manifest(status="failed")) == ["not scored: stage train: boom"]
