@@ -150,3 +150,35 @@ def test_the_program_is_in_every_strict_prefix_and_gone_in_sabotage_mode(monkeyp
     assert seccompfilter.spec_entry() is None and seccompfilter.fingerprint() == "off"
     assert isolation.sandbox_prefix("strict", writable=[], hidden=[], tmp_dir=None, socket_dir=None,
                                     bundle_dir=None) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not WORKING, reason="no working sandbox backend")
+def test_an_honest_run_scores_the_same_to_the_last_bit_with_the_filter_on_and_off(tmp_path, monkeypatch):
+    """The example at a small budget, strict isolation, with the filter, then with it switched
+    off (in this trusted parent only): the same bits and bytes, the same curve."""
+    from helpers import EXAMPLE
+
+    from prism_challenge.pipeline import EvalOptions, evaluate
+
+    program = seccompfilter.spec_entry
+    handed = []
+
+    def spy():
+        handed.append(program())
+        return handed[-1]
+
+    def score(name):
+        o = evaluate(EvalOptions(bundle=str(EXAMPLE), out_dir=str(tmp_path / name), device="cpu", isolation="strict",
+                                 token_budget=4000, heldout_bytes=0))
+        assert o.failure is None, o.failure
+        return o.manifest["score"], o.manifest["curve"]
+
+    monkeypatch.setattr(seccompfilter, "spec_entry", spy)
+    on = score("on")
+    assert handed and all(h == program() for h in handed)  # every sandbox of the run got the filter
+    handed.clear()
+    monkeypatch.setattr(seccompfilter, "spec_entry", lambda: handed.append(None))
+    off = score("off")
+    assert handed and on == off
+    assert on[0]["prequential_bpb"] == off[0]["prequential_bpb"] and on[0]["total_bits"] == off[0]["total_bits"]
