@@ -182,3 +182,24 @@ def test_an_honest_run_scores_the_same_to_the_last_bit_with_the_filter_on_and_of
     off = score("off")
     assert handed and on == off
     assert on[0]["prequential_bpb"] == off[0]["prequential_bpb"] and on[0]["total_bits"] == off[0]["total_bits"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not WORKING, reason="no working sandbox backend")
+def test_torch_compile_builds_its_kernels_with_gcc_under_the_filter(tmp_path):
+    """Inductor's C++ kernels: ``g++`` (which spawns ``cc1plus`` and ``as``) runs under the
+    inherited filter; the compiled function gives the eager answer."""
+    code = ("import torch; x = torch.arange(8.0); f = torch.compile(lambda t: (t * 2).sin().sum()); "
+            "print(repr((f(x).item(), (x * 2).sin().sum().item())))")
+    (tmp_path / "bundle").mkdir()
+    (tmp_path / "art").mkdir()
+    jail = Jail.open("strict", bundle_dir=tmp_path / "bundle", hidden=[], limits=Limits(), threads=1, audit=False)
+    try:
+        done = jail.run([sys.executable, "-c", code], timeout_s=600, writable=[tmp_path / "art"], cwd=tmp_path / "art",
+                        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "art" / "inductor")})
+    finally:
+        jail.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, eager = eval(done.stdout.decode().splitlines()[-1])
+    assert compiled == pytest.approx(eager, rel=1e-6)
+    assert list((tmp_path / "art" / "inductor").rglob("*.so"))  # a kernel was built by g++, not skipped
