@@ -86,10 +86,7 @@ def program() -> bytes:
         SeccompUnavailable: ``pyseccomp`` or ``libseccomp.so.2`` cannot be loaded, or a system
             call of :data:`DENIED` is unknown to libseccomp here.
     """
-    try:
-        import pyseccomp as sc
-    except (ImportError, OSError) as exc:  # the binding raises when the library is missing
-        raise SeccompUnavailable(f"the kernel-call filter needs libseccomp (libseccomp2) and pyseccomp: {exc}") from None
+    sc = _binding()
     eperm = sc.ERRNO(errno.EPERM)
     try:
         f = sc.SyscallFilter(sc.ALLOW)
@@ -110,6 +107,25 @@ def program() -> bytes:
             return out.read()
     except OSError as exc:
         raise SeccompUnavailable(f"libseccomp refused the kernel-call filter: {exc}") from None
+
+
+def _binding():
+    try:
+        import pyseccomp
+    except (ImportError, OSError) as exc:  # the binding raises when the library is missing
+        raise SeccompUnavailable(
+            f"the kernel-call filter needs libseccomp (libseccomp2) and pyseccomp: {exc}") from None
+    return pyseccomp
+
+
+def syscall_number(name: str) -> int:
+    """``name``'s system call number on this machine's architecture (negative: none here).
+
+    Raises:
+        SeccompUnavailable: see :func:`program`.
+    """
+    sc = _binding()
+    return sc.resolve_syscall(sc.system_arch(), name)
 
 
 def spec_entry() -> str | None:

@@ -18,8 +18,8 @@ side (the file written outside exists, the listener took a connection). Any succ
 host (:class:`SelfTestFailed`, naming the probes); so does a probe child that did not run.
 :func:`require` runs before ``prism serve`` takes work (always) and before ``prism eval`` (once
 per host, PRISM version, kernel, sandbox backend and filter: a pass is cached in
-``selftest/`` of PRISM's cache folder, ``$PRISM_CACHE_DIR`` or the user cache directory). The model is codejail-service, which runs its
-own escape tests at start.
+``selftest/`` of PRISM's cache folder, ``$PRISM_CACHE_DIR`` or the user cache directory). The
+model is codejail-service, which runs its own escape tests at start.
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def _host_addresses() -> list[str]:
 
 
 def _unshare_number() -> int:
-    import pyseccomp
+    from prism_challenge.evaluator.seccompfilter import syscall_number
 
-    return pyseccomp.resolve_syscall(pyseccomp.system_arch(), "unshare")
+    return syscall_number("unshare")
 
 
 def run_probes() -> list[str]:
@@ -223,10 +223,11 @@ def refusal(command: str, *, cached: bool) -> str | None:
     ``None`` when :func:`require` passes. A host with no strict sandbox at all is left to the
     run's own refusal (``None``: the run fails closed, naming how to install one)."""
     from prism_challenge.evaluator.isolation import IsolationError
+    from prism_challenge.evaluator.seccompfilter import SeccompUnavailable
 
     try:
         require(cached=cached)
-    except SelfTestFailed as exc:
+    except (SelfTestFailed, SeccompUnavailable) as exc:
         return f"{command}: {exc}"
     except IsolationError:
         return None
