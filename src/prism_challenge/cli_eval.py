@@ -23,6 +23,7 @@ from prism_challenge.options import (
     OptionsError,
     check_field,
 )
+from prism_challenge.evaluator import selftest
 from prism_challenge.failures import USAGE_STAGE
 from prism_challenge.bundle import SCORING_AUTOCAST
 from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
@@ -236,6 +237,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             _options(args, profile, seed, _seed_out(args, seed)) for seed in seeds]
     except OptionsError as exc:
         return _usage(args, human, f"{flag_of(exc.field)} {exc.value}: {exc.rule}")
+    if any(o.isolation == "strict" for o in runs) and (refused := selftest.refusal("prism eval", cached=True)):
+        _err().print(refused, highlight=False, markup=False)
+        return EXIT_FAILED
     if seeds is None:
         code, summary = _run_one(args, runs[0], human)
         if args.json:

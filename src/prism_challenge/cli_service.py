@@ -109,6 +109,11 @@ def _serve(app: Any, settings: Any) -> int:
     from prism_challenge.service.capacity import CannotEvaluate
 
     if settings.dispatch:
+        from prism_challenge.evaluator import selftest
+
+        if refused := selftest.refusal("prism serve", cached=False):  # before any work is taken
+            print(refused, file=sys.stderr)
+            return EXIT_USAGE
         try:
             start_dispatcher(app)
         except CannotEvaluate as exc:

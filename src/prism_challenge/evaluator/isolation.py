@@ -72,6 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prism_challenge.evaluator import sabotage, seccompfilter
+
 MODES = ("strict", "none")
 BACKENDS = ("bwrap", "unshare")
 ENV_BACKEND = "PRISM_ISOLATION_BACKEND"  # force "bwrap" or "unshare" (tests, debugging)
@@ -456,6 +458,10 @@ def _prefix(
 ) -> list[str]:
     root = os.geteuid() == 0
     spec: dict[str, Any] = {"setsid": True, "rlimits": limits.rlimits() if limits else []}
+    try:  # loaded last, right before exec, by the inner init
+        spec["seccomp"] = seccompfilter.spec_entry()
+    except seccompfilter.SeccompUnavailable as exc:
+        raise IsolationError(str(exc)) from None
     env = {"TMPDIR": "/tmp"}
     if uid is not None:
         spec["uid"], spec["gid"] = uid, (uid if gid is None else gid)
@@ -561,6 +567,8 @@ def sandbox_prefix(
         return []
     if mode != "strict":
         raise IsolationError(f"isolation mode {mode!r}: expected one of {', '.join(MODES)}")
+    if sabotage.active():  # the trusted parent switched confinement off (tests only): no sandbox
+        return []
     backend = backend or available_backend()
     if backend is None:
         raise IsolationError(

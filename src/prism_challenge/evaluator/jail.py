@@ -46,6 +46,7 @@ from prism_challenge.evaluator.isolation import (
     pick_sandbox_uid,
     sandbox_prefix,
 )
+from prism_challenge.evaluator import sabotage
 from prism_challenge.evaluator.envpolicy import sandbox_env
 from prism_challenge.evaluator.launcher import compute_env
 
@@ -348,7 +349,7 @@ class Jail:
             if apply is not None:
                 apply()
 
-        extra = {**(env or {}), **({} if self.audit else {ENV_OFF: "off"})}
+        extra = {**(env or {}), **({} if self.audit and not sabotage.active() else {ENV_OFF: "off"})}
         command = self.command(argv, writable=writable, socket_dir=socket_dir, limits=limits)
         with self._lock:  # kill_all() either sees this child or keeps it from starting
             if self.killed:

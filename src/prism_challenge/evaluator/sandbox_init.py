@@ -10,7 +10,8 @@ the minimal ``/dev``), ``lo`` (bring loopback up),
 ``env``, ``uid``/``gid`` (drop to the sandbox identity), ``capbset``/``dropcaps`` (drop every
 capability), ``chdir``, ``pdeathsig``, ``pass_cwd``/``cwd_env`` (bwrap's outer helper puts the
 working directory in that variable; the inner one enters it once it runs as the sandbox uid).
-It then sets ``no_new_privs`` and execs ``argv``; any failure exits with status 126 and a
+It then sets ``no_new_privs``, loads ``seccomp`` (the kernel-call filter
+:mod:`~prism_challenge.evaluator.seccompfilter` compiled) and execs ``argv``; any failure exits with status 126 and a
 ``prism-sandbox:`` line on stderr (fail closed).
 """
 import ctypes, fcntl, json, os, resource, signal, socket, struct, sys
@@ -157,6 +158,18 @@ def do_mounts(ops, root_bytes, dev_nodes):
         die("detach the old root: %s" % os.strerror(ctypes.get_errno()))
     os.chdir("/")
 
+def load_seccomp(b64):
+    """Load a BPF program (base64 of a ``struct sock_filter`` array) with prctl(PR_SET_SECCOMP)."""
+    import base64
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+    code = base64.b64decode(b64)
+    if not code or len(code) % 8:
+        die("seccomp: a program of %d bytes is not a BPF program" % len(code))
+    prog = Prog(len(code) // 8, code)
+    if libc.prctl(22, 2, ctypes.cast(ctypes.pointer(prog), ctypes.c_void_p).value, 0, 0) != 0:  # SECCOMP_MODE_FILTER
+        die("seccomp: %s" % os.strerror(ctypes.get_errno()))
+
 def lo_up():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     ifr = struct.pack("16sH22x", b"lo", 0)
@@ -241,6 +254,8 @@ if spec.get("dropcaps"):
         die("capset: %s" % os.strerror(ctypes.get_errno()))
 if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
     die("no_new_privs: %s" % os.strerror(ctypes.get_errno()))
+if spec.get("seccomp"):  # the kernel-call filter libseccomp compiled in the parent (seccompfilter.py)
+    load_seccomp(spec["seccomp"])
 try:  # the working directory, where the sandbox has it (else /)
     os.chdir(spec.get("chdir") or cwd)
 except OSError:
