@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prism_challenge.cli import main as prism
+from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.run_manifest import MANIFEST_NAME
 
@@ -112,11 +113,11 @@ def test_verify_names_an_edited_record(honest_run, tmp_path, capsys):
 def test_verify_names_a_replaced_snapshot(honest_run, tmp_path, capsys):
     run_dir = copy_run(honest_run, tmp_path)
     step = json.loads((run_dir / MANIFEST_NAME).read_text())["audit"]["batches"][-1]["step"]
-    snap = run_dir / "model" / "audit" / f"step-{step:06d}.pt"
-    state = torch.load(snap, weights_only=True)
+    snap = run_dir / "model" / "audit" / f"step-{step:06d}.snap"
+    state = read_snapshot_file(snap)
     state["head.bias"] = state["head.bias"] + 0.5
     snap.chmod(0o644)
-    torch.save(state, snap)
+    write_snapshot(state, snap)
     assert prism(["verify", str(run_dir)]) == 1
     assert capsys.readouterr().out.startswith(f"mismatch: audited batch {step}: the snapshot ")
 
