@@ -1,5 +1,6 @@
 """The audit in real runs: honest bundles pass with re-scored nats equal to their records, the
 three cheats of issue 15 end zeroed, and ``prism verify`` re-checks a run directory."""
+import hashlib
 import json
 import math
 import shutil
@@ -73,6 +74,16 @@ def test_an_honest_bundle_passes_and_verifies(honest_run, capsys):
     assert prism(["verify", str(honest_run.run_dir)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("verified: prequential_bpb ") and f"{len(audit['batches'])} audited batches" in out
+
+
+@pytest.mark.slow
+def test_each_snapshot_on_disk_hashes_to_the_value_the_manifest_binds(honest_run):
+    audit, _ = audit_of(honest_run)
+    folder = honest_run.run_dir / "model" / "audit"
+    names = [f"step-{b['step']:06d}.snap" for b in audit["batches"]]
+    assert sorted(p.name for p in folder.glob("*.snap")) == names and len(names) >= 2
+    digests = [hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names]  # computed here, independently
+    assert digests == [b["snapshot_sha256"] for b in audit["batches"]] and len(set(digests)) == len(digests)
 
 
 def copy_run(honest_run, tmp_path):
