@@ -119,21 +119,37 @@ def scale_run(bundle: Path, tokens: int, isolation: str, audited: int | None) ->
     times, each record's arrival (``time.monotonic``), the snapshots' bytes and the peak RSS."""
     import resource
 
+    import threading
+
     from prism_challenge.control import RunControl
-    from prism_challenge.events import BatchScored
+    from prism_challenge.events import BatchScored, StageStarted
     from prism_challenge.pipeline import EvalOptions, evaluate
 
     arrivals: list[float] = []
+    stage = {"now": "start"}
+    peaks: dict[str, int] = {}
+    done = threading.Event()
 
     def seen(event) -> None:
         if isinstance(event, BatchScored):
             arrivals.append(time.monotonic())
+        elif isinstance(event, StageStarted):
+            stage["now"] = event.stage
+
+    def sample() -> None:  # the parent's resident memory by stage, every 50 ms
+        while not done.wait(0.05):
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            peaks[stage["now"]] = max(peaks.get(stage["now"], 0), rss)
+
+    threading.Thread(target=sample, daemon=True).start()
 
     with tempfile.TemporaryDirectory() as tmp:
         kw = {} if audited is None else {"audited_batches": audited}
         out = evaluate(EvalOptions(bundle=str(bundle), token_budget=tokens, device="cpu", isolation=isolation,
                                    heldout_bytes=2_000, out_dir=str(Path(tmp) / "run"), **kw),
                        RunControl(on_progress=seen))
+        done.set()
         if out.failure is not None:
             raise SystemExit(f"the run failed: {out.failure}")
         m = out.manifest
@@ -143,7 +159,7 @@ def scale_run(bundle: Path, tokens: int, isolation: str, audited: int | None) ->
                 "audit": audit.get("wall_s", 0.0), "audited": [b["step"] for b in audit.get("batches", [])],
                 "passed": audit.get("passed"), "error": audit.get("error"), "arrivals": arrivals,
                 "disk": sum(p.stat().st_size for p in snaps), "files": len(snaps),
-                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peaks": peaks}
 
 
 def critical_path(arrivals: list[float], audited: list[int]) -> tuple[float, float, list[float]]:
@@ -220,7 +236,8 @@ def scale(params: str, tokens: int, isolation: str, baseline: bool, audited_batc
               f"{r['stream']:.1f} s ({len(r['arrivals'])} batches, median gap {base:.2f} s), audit stage "
               f"{r['audit']:.1f} s ({len(r['audited'])} audited, passed {r['passed']}{', ' + r['error'] if r['error'] else ''}), "
               f"snapshots on disk {r['disk'] / 2**20:.0f} MiB in {r['files']} files, parent peak RSS "
-              f"{r['rss'] / 2**20:.0f} MiB", flush=True)
+              f"{r['rss'] / 2**20:.0f} MiB (by stage: "
+              f"{', '.join(f'{k} {v / 2**20:.0f}' for k, v in r.get('peaks', {}).items())})", flush=True)
         if audited != 0:
             print(f"  snapshot on the rank's critical path: median {extra:+.2f} s per audited batch "
                   f"(each: {', '.join(f'{e:+.2f}' for e in each)})", flush=True)

@@ -98,7 +98,7 @@ class SnapshotStore:
         """
         if self.expected is None or header.get("step") != self.expected:
             raise StateError(f"a snapshot tensor for batch {header.get('step')!r}, which was not audited now")
-        self._bytes += len(payload)
+        self._bytes += len(payload) + len(str(header.get("name"))) + 64  # the index entry counts too
         if self._bytes > self.max_bytes:
             raise StateError(f"the snapshot of batch {self.expected} exceeds {self.max_bytes} bytes")
         name, dtype, shape = check_frame({k: header.get(k) for k in ("name", "dtype", "shape")}, payload)
