@@ -210,3 +210,21 @@ def test_a_snapshot_changed_after_it_was_hashed_is_named(tmp_path):
     list(feed)
     with pytest.raises(AuditError, match="step-000000.snap no longer hashes"):
         feed.check()
+
+
+def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(monkeypatch):
+    """No GPU here: torch's CUDA start is replaced by a recorder. The spare's argv names the
+    device, so its prologue (before stdin, before the audit hook) is where CUDA starts."""
+    from prism_challenge import rescore_child
+    from prism_challenge.rescore import CHILD_ARGV, child_argv
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: calls.append(("empty", k.get("device"))))
+    assert child_argv("cpu") == list(CHILD_ARGV) and child_argv("cuda:0")[-2:] == ["--device", "cuda"]
+    assert rescore_child._device_arg(child_argv("cuda")[3:]) == "cuda"
+    assert rescore_child._device_arg(["--stdin"]) == "cpu" and rescore_child._device_arg(["--stdin", "--device"]) is None
+    rescore_child._warm_up("cpu")
+    assert calls == []
+    rescore_child._warm_up("cuda")
+    assert calls == ["init", ("empty", "cuda")]
