@@ -229,12 +229,14 @@ def scale(params: str, tokens: int, isolation: str, baseline: bool, audited_batc
     bundle = SCALE_BUNDLES[params]
     for audited in ([audited_batches, 0] if baseline else [audited_batches]):
         cmd = [sys.executable, __file__, "--scale-child", str(bundle), str(tokens), isolation, str(audited)]
-        r = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1])
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
         base, extra, each = critical_path(r["arrivals"], r["audited"])
         label = "unaudited" if audited == 0 else f"audited (A = {audited or 'default'})"
         print(f"{params} ({bundle.name}), {tokens} tokens, {label}: whole command {r['wall']:.1f} s, stream "
               f"{r['stream']:.1f} s ({len(r['arrivals'])} batches, median gap {base:.2f} s), audit stage "
-              f"{r['audit']:.1f} s ({len(r['audited'])} audited, passed {r['passed']}{', ' + r['error'] if r['error'] else ''}), "
+              f"{r['audit']:.1f} s ({len(r['audited'])} audited, passed {r['passed']}"
+              f"{', ' + r['error'] if r['error'] else ''}), "
               f"snapshots on disk {r['disk'] / 2**20:.0f} MiB in {r['files']} files, parent peak RSS "
               f"{r['rss'] / 2**20:.0f} MiB (by stage: "
               f"{', '.join(f'{k} {v / 2**20:.0f}' for k, v in r.get('peaks', {}).items())})", flush=True)

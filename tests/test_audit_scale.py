@@ -31,8 +31,8 @@ from test_rescore import RNG, _config, _nats, _trained  # noqa: E402
 
 
 def _state():
-    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
-            "n": torch.tensor([3], dtype=torch.int64), "m": torch.tensor([True, False, True]),
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "n": torch.tensor([3], dtype=torch.int64), "m": torch.tensor([True, False, True]),
             "e": torch.zeros(0, 5)}
 
 
@@ -111,7 +111,8 @@ def test_the_loop_gets_its_batch_while_the_snapshot_is_still_on_its_way(tmp_path
             kind, header, payload = protocol.recv(feeder_end, 1 << 26)
             seen.append(kind)
             if kind == Kind.SNAPSHOT:
-                state[header["name"]] = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(header["shape"])
+                flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+                state[header["name"]] = flat.reshape(header["shape"])
             if kind == Kind.NEXT:
                 break
         seen.append(state)
@@ -198,18 +199,17 @@ def test_one_child_rescores_three_snapshots_holding_one_at_a_time(tmp_path):
 
 
 def test_a_snapshot_changed_after_it_was_hashed_is_named(tmp_path):
-    from prism_challenge.rescore import AuditError, Feed
+    from prism_challenge.evaluator.snapfile import SnapshotFeed
 
     path = tmp_path / "step-000000.snap"
     digest = write_snapshot({"w": torch.ones(3)}, path)
-    feed = Feed(b"head", [path], [digest])
-    assert b"".join(feed)[4:12] == struct.pack(">Q", path.stat().st_size)
-    feed.check()
+    feed = SnapshotFeed(b"head", [path], [digest])
+    fed = b"".join(feed)
+    assert fed == b"head" + struct.pack(">Q", path.stat().st_size) + path.read_bytes() and feed.changed() == []
     write_snapshot({"w": torch.zeros(3)}, path)
-    feed = Feed(b"head", [path], [digest])
+    feed = SnapshotFeed(b"head", [path], [digest])
     list(feed)
-    with pytest.raises(AuditError, match="step-000000.snap no longer hashes"):
-        feed.check()
+    assert feed.changed() == ["step-000000.snap"]
 
 
 def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(monkeypatch):
@@ -223,7 +223,8 @@ def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(m
     monkeypatch.setattr(torch, "empty", lambda *a, **k: calls.append(("empty", k.get("device"))))
     assert child_argv("cpu") == list(CHILD_ARGV) and child_argv("cuda:0")[-2:] == ["--device", "cuda"]
     assert rescore_child._device_arg(child_argv("cuda")[3:]) == "cuda"
-    assert rescore_child._device_arg(["--stdin"]) == "cpu" and rescore_child._device_arg(["--stdin", "--device"]) is None
+    assert rescore_child._device_arg(["--stdin"]) == "cpu"
+    assert rescore_child._device_arg(["--stdin", "--device"]) is None
     rescore_child._warm_up("cpu")
     assert calls == []
     rescore_child._warm_up("cuda")

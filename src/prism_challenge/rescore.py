@@ -32,11 +32,9 @@ import hashlib
 import hmac
 import json
 import math
-import os
-import struct
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ import numpy as np
 
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
+from prism_challenge.evaluator.snapfile import SnapshotFeed
 from prism_challenge.heldout import _frame, _pack_batches
 
 BLIND_PASSES = 1
@@ -53,8 +52,6 @@ future at a fraction ``q`` of the positions escapes them with probability about
 ``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches). Each pass costs
 one forward per audited batch, as much as the re-scoring's: the cost goal buys more audited
 batches with one pass than more passes (:mod:`~prism_challenge.evaluator.auditplan`)."""
-FEED_CHUNK_BYTES = 8 << 20
-"""A snapshot file is fed to a child in reads of this many bytes (the parent never holds one whole)."""
 STDERR_TAIL_LINES = 15
 
 
@@ -218,44 +215,6 @@ def _groups(paths: list[Path], per_child: int | None = None) -> list[list[int]]:
     return [list(range(i, min(n, i + size))) for i in range(0, n, size)] if n else []
 
 
-class Feed:
-    """One child's stdin, streamed: its config and batches, then each snapshot file in reads of
-    :data:`FEED_CHUNK_BYTES`, each hashed as it is read (:attr:`digests`), so the parent holds no
-    snapshot whole and the bytes fed can be held to the sha256 bound in the manifest."""
-
-    def __init__(self, head: bytes, files: list[Path], expected: Sequence[str | None] | None = None):
-        self.head, self.files, self.expected = head, files, expected
-        self.digests: list[str] = []
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield self.head
-        for path in self.files:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                yield struct.pack(">Q", size)  # the frame's length (heldout._frame)
-                left = size
-                while left:
-                    block = f.read(min(FEED_CHUNK_BYTES, left))
-                    if not block:
-                        raise OSError(f"{path}: the file ended {left} bytes early")
-                    h.update(block)
-                    left -= len(block)
-                    yield block
-            self.digests.append(h.hexdigest())
-
-    def check(self) -> None:
-        """Every file fed hashed to :attr:`expected` (per file; ``None``: not checked).
-
-        Raises:
-            AuditError: a file that changed since it was hashed (never the submission's doing:
-                no jailed process can write the audit folder).
-        """
-        for path, want, got in zip(self.files, self.expected or (), self.digests):
-            if want is not None and want != got:
-                raise AuditError(f"audit: the snapshot {path.name} no longer hashes to the value bound when it was written")
-
-
 CHILD_ARGV = (sys.executable, "-m", "prism_challenge.rescore_child", "--stdin")
 
 
@@ -270,8 +229,9 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
               per_child: int | None = None, expect: Sequence[str | None] | None = None
               ) -> list[tuple[str, int, Any]]:
     """One ``(mode, jobs, payload maker)`` per ``mode`` child (:func:`_groups`): its jobs' count
-    and a function that makes its :class:`Feed` (the snapshots are read as they are fed, and
-    checked against ``expect``, the sha256 per path, after the child ended)."""
+    and a function that makes its :class:`~prism_challenge.evaluator.snapfile.SnapshotFeed` (the
+    snapshots are read as they are fed, and checked against ``expect``, the sha256 per path,
+    after the child ended)."""
     out = []
     for group in _groups(paths, per_child):
         mine = [j for j in jobs if j.state in group]
@@ -282,9 +242,9 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
                  "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
 
-        def payload(child=child, batches=batches, group=group) -> Feed:
-            return Feed(_frame(json.dumps(child).encode()) + _frame(_pack_batches(batches)), [paths[s] for s in group],
-                        [expect[s] for s in group] if expect else None)
+        def payload(child=child, batches=batches, group=group) -> SnapshotFeed:
+            head = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
+            return SnapshotFeed(head, [paths[s] for s in group], [expect[s] for s in group] if expect else None)
 
         out.append((mode, len(mine), payload))
     return out
@@ -315,8 +275,10 @@ def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float,
                 raise AuditError(f"hang: the {mode} process of one snapshot ({count} job(s)) ran past its own "
                                  f"limit of {limit:.0f} s", by_submission=True)
             reply = _reply(done, mode)
-            if isinstance(data, Feed):
-                data.check()
+            changed = data.changed() if isinstance(data, SnapshotFeed) else []
+            if changed:  # never the submission's doing: no jailed process can write the audit folder
+                raise AuditError(f"audit: the snapshot {changed[0]} no longer hashes to the value bound when it was "
+                                 f"written")
             got = reply.get("jobs")
             if not isinstance(got, list) or len(got) != count:
                 raise AuditError(f"protocol: malformed reply from the {mode} process")
@@ -495,7 +457,8 @@ def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs
         retry_s = 2 * limit(most) if limit is not None else timeout_s
         try:
             return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + retry_s,
-                            writable=[artifacts_dir], per_child=1, child_limit=limit, expect=expect)
+                            writable=[artifacts_dir], per_child=1, child_limit=limit,
+                            expect=expect)
         except AuditError as second:
             if timed_out and not first.by_submission and not second.by_submission:
                 raise first from None  # the whole audit is too slow here, and no child hung: no proof

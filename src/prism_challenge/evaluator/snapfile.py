@@ -24,7 +24,7 @@ import json
 import os
 import struct
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +237,48 @@ class SnapshotStream:
             return {k: v.clone() for k, v in tensors.items()}
         self._data = None  # the last use: the tensors alone keep the buffer
         return tensors
+
+
+FEED_CHUNK_BYTES = 8 << 20
+"""A snapshot file is fed to a child in reads of this many bytes (the parent never holds one whole)."""
+
+
+class SnapshotFeed:
+    """One audit child's stdin, streamed: ``head`` (its config and batches), then each snapshot
+    file as a frame (``>Q`` length, then the bytes) in reads of :data:`FEED_CHUNK_BYTES`, each
+    file hashed as it is read (:attr:`digests`): the parent holds no snapshot whole, and the
+    bytes fed can be held to the sha256 bound when the file was written (:meth:`changed`).
+
+    Args:
+        head: the bytes before the first snapshot.
+        files: the snapshot files, in the child's order.
+        expected: per file, the sha256 it must have (``None``: not checked).
+
+    Iterating raises ``OSError`` for a file that cannot be read or ends early.
+    """
+
+    def __init__(self, head: bytes, files: list[Path], expected: list[str | None] | None = None):
+        self.head, self.files, self.expected = head, files, expected
+        self.digests: list[str] = []
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.head
+        for path in self.files:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                yield struct.pack(">Q", size)
+                left = size
+                while left:
+                    block = f.read(min(FEED_CHUNK_BYTES, left))
+                    if not block:
+                        raise OSError(f"{path}: the file ended {left} bytes early")
+                    h.update(block)
+                    left -= len(block)
+                    yield block
+            self.digests.append(h.hexdigest())
+
+    def changed(self) -> list[str]:
+        """The names of the files fed whose bytes did not hash to :attr:`expected`."""
+        return [p.name for p, want, got in zip(self.files, self.expected or (), self.digests)
+                if want is not None and want != got]
