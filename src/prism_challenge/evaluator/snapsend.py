@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Mapping
-
 import torch
 
 from prism_challenge.evaluator import protocol
@@ -33,16 +31,19 @@ from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.statedict import DTYPES, StateError, tensor_bytes
 
 
-def send_snapshot(sock: socket.socket, step: int, state: Mapping[str, torch.Tensor]) -> int:
+def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]) -> int:
     """Send ``state`` as SNAPSHOT frames of batch ``step`` and SNAPSHOT_END, one tensor copied to
-    contiguous CPU memory at a time; the bytes sent.
+    contiguous CPU memory at a time; the bytes sent. ``state`` is consumed: each entry leaves the
+    dict once it is sent, so on a GPU the copy's device memory goes back to the loop tensor by
+    tensor while it trains, and the host holds one tensor at a time.
 
     Raises:
         StateError: a dtype the harness cannot store.
         OSError: the socket closed.
     """
-    sent = 0
-    for name, t in state.items():
+    sent, count = 0, len(state)
+    for name in list(state):
+        t = state.pop(name)
         if str(t.dtype) not in DTYPES:
             raise StateError(f"state tensor {name!r} has dtype {t.dtype}, which the harness cannot store")
         cpu = t.detach().to("cpu").contiguous()
@@ -50,8 +51,8 @@ def send_snapshot(sock: socket.socket, step: int, state: Mapping[str, torch.Tens
         protocol.send(sock, Kind.SNAPSHOT, {"name": name, "dtype": str(cpu.dtype), "shape": list(cpu.shape),
                                             "step": step}, payload)
         sent += len(payload)
-        del cpu, payload
-    protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+        del t, cpu, payload
+    protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": count})
     return sent
 
 
@@ -61,12 +62,12 @@ class SnapshotSender:
     Args:
         sock: the feeder's socket (the sender owns it until :meth:`settle`).
         step: the audited batch.
-        state: the copy taken before its scoring forward (name -> tensor, any device); dropped
-            when the thread ends.
+        state: the copy taken before its scoring forward (name -> tensor, any device), consumed
+            as it is sent (:func:`send_snapshot`).
         then: payload-less frames sent after SNAPSHOT_END (the request for the next batch).
     """
 
-    def __init__(self, sock: socket.socket, step: int, state: Mapping[str, torch.Tensor],
+    def __init__(self, sock: socket.socket, step: int, state: dict[str, torch.Tensor],
                  then: tuple[tuple[Kind, dict], ...] = ()):
         self.step = step
         self.error: BaseException | None = None
