@@ -1,5 +1,6 @@
 """The audit in real runs: honest bundles pass with re-scored nats equal to their records, the
 three cheats of issue 15 end zeroed, and ``prism verify`` re-checks a run directory."""
+import hashlib
 import json
 import math
 import shutil
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from prism_challenge.cli import main as prism
+from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.run_manifest import MANIFEST_NAME
 
@@ -74,6 +76,16 @@ def test_an_honest_bundle_passes_and_verifies(honest_run, capsys):
     assert out.startswith("verified: prequential_bpb ") and f"{len(audit['batches'])} audited batches" in out
 
 
+@pytest.mark.slow
+def test_each_snapshot_on_disk_hashes_to_the_value_the_manifest_binds(honest_run):
+    audit, _ = audit_of(honest_run)
+    folder = honest_run.run_dir / "model" / "audit"
+    names = [f"step-{b['step']:06d}.snap" for b in audit["batches"]]
+    assert sorted(p.name for p in folder.glob("*.snap")) == names and len(names) >= 2
+    digests = [hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names]  # computed here, independently
+    assert digests == [b["snapshot_sha256"] for b in audit["batches"]] and len(set(digests)) == len(digests)
+
+
 def copy_run(honest_run, tmp_path):
     dest = tmp_path / "copy"
     shutil.copytree(honest_run.run_dir, dest)
@@ -112,11 +124,11 @@ def test_verify_names_an_edited_record(honest_run, tmp_path, capsys):
 def test_verify_names_a_replaced_snapshot(honest_run, tmp_path, capsys):
     run_dir = copy_run(honest_run, tmp_path)
     step = json.loads((run_dir / MANIFEST_NAME).read_text())["audit"]["batches"][-1]["step"]
-    snap = run_dir / "model" / "audit" / f"step-{step:06d}.pt"
-    state = torch.load(snap, weights_only=True)
+    snap = run_dir / "model" / "audit" / f"step-{step:06d}.snap"
+    state = read_snapshot_file(snap)
     state["head.bias"] = state["head.bias"] + 0.5
     snap.chmod(0o644)
-    torch.save(state, snap)
+    write_snapshot(state, snap)
     assert prism(["verify", str(run_dir)]) == 1
     assert capsys.readouterr().out.startswith(f"mismatch: audited batch {step}: the snapshot ")
 

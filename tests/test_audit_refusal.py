@@ -57,7 +57,7 @@ class ScriptedJail:
         self.script, self.fed = list(script), []
 
     def run(self, argv, input, timeout_s, writable, warm_next=False):
-        config = json.loads(_read_frame(io.BytesIO(input)))
+        config = json.loads(_read_frame(io.BytesIO(input if isinstance(input, bytes) else b"".join(input))))
         self.fed.append((config["mode"], sorted({j["state"] for j in config["jobs"]}), len(config["jobs"])))
         outcome = self.script.pop(0) if self.script else "ok"
         return ok(len(config["jobs"])) if outcome == "ok" else outcome

@@ -26,6 +26,7 @@ from prism_challenge.evaluator.feeder import Feeder
 from prism_challenge.evaluator.jail import Jail
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.protocol import Kind
+from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.evaluator.snapshots import AuditedStep
 from prism_challenge.evaluator.statedict import frames
 from prism_challenge.rescore import BLIND_PASSES, probe_batch, run_audit
@@ -123,7 +124,7 @@ def test_batch_zero_is_audited_and_its_snapshot_is_stored(tmp_path):
     a = res.audits[0]
     assert a.recorded == {0: 7.5} and np.array_equal(a.pieces[0], b0)
     assert a.sha256 == hashlib.sha256(a.snapshot.read_bytes()).hexdigest()
-    loaded = torch.load(a.snapshot, weights_only=True)
+    loaded = read_snapshot_file(a.snapshot)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
 
 
@@ -196,8 +197,8 @@ def _trained(tmp_path, name):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
-    snap = tmp_path / "step-000000.pt"
-    torch.save({k: v for k, v in model.state_dict().items()}, snap)
+    snap = tmp_path / "step-000000.snap"
+    write_snapshot({k: v for k, v in model.state_dict().items()}, snap)
     return root, model, snap
 
 

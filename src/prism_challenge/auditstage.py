@@ -3,7 +3,8 @@ does with the feeder's audited batches (:mod:`~prism_challenge.rescore`), and wh
 the run directory for ``prism verify``:
 
 * ``bundle/``: a copy of the frozen bundle that ran (its sha256 is the manifest's);
-* ``model/audit/step-<step>.pt``: rank 0's weight snapshot of each audited batch;
+* ``model/audit/step-<step>.snap``: rank 0's weight snapshot of each audited batch
+  (:mod:`~prism_challenge.evaluator.snapfile`);
 * ``model/audit/step-<step>.npz``: that batch's slices (``tokens_<rank>``), blind-probe batches
   (``probe_<rank>_<pass>``) and probed ``(row, k)`` (``picks_<rank>_<pass>``).
 
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL, SCHEDULE_RULE
-from prism_challenge.rescore import CHILD_ARGV, AuditReport, plan, run_audit
+from prism_challenge.rescore import AuditReport, child_argv, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
 BUNDLE_COPY = "bundle"
@@ -136,11 +137,12 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
             "schedule": {"rule": SCHEDULE_RULE, "audited_batches": audited_batches},
             "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"],
             "shape": list(result.shape) if result.shape else None, "context": dict(config["context"])}
+    argv = child_argv(str(config.get("device", "cpu")))  # on CUDA the spare starts CUDA while it waits
     with empty_artifacts(artifacts) as empty:
         writable = [str(empty)]
         try:
             with contextlib.suppress(OSError, IsolationError):  # no spare: the first child starts when fed
-                jail.warm(list(CHILD_ARGV), writable=writable)
+                jail.warm(argv, writable=writable)
             filler, skipped = val_filler(data, tokenizer)
             if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
                 filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
@@ -148,7 +150,7 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
                                batch_s=seconds_per_batch(result),
                                timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
         finally:
-            jail.drop_spare(list(CHILD_ARGV), writable=writable)  # no audited batch had a snapshot: never fed
+            jail.drop_spare(argv, writable=writable)  # no audited batch had a snapshot: never fed
     report.probe_skipped = skipped
     try:
         write_inputs(run_dir, result.audits, world_size, filler, key)

@@ -43,6 +43,7 @@ import numpy as np
 
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
+from prism_challenge.evaluator.snapfile import SnapshotFeed
 from prism_challenge.heldout import _frame, _pack_batches
 
 BLIND_PASSES = 1
@@ -51,8 +52,6 @@ future at a fraction ``q`` of the positions escapes them with probability about
 ``(1 - q)^(BLIND_PASSES * B * A)`` (``B`` rows per slice, ``A`` audited batches). Each pass costs
 one forward per audited batch, as much as the re-scoring's: the cost goal buys more audited
 batches with one pass than more passes (:mod:`~prism_challenge.evaluator.auditplan`)."""
-CHILD_STATE_BYTES = 1 << 30
-"""Most snapshot bytes one child is sent: more snapshots go to further children."""
 STDERR_TAIL_LINES = 15
 
 
@@ -206,30 +205,35 @@ def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key
     return jobs, blind, paths, problems
 
 
-def _groups(jobs: list[Job], paths: list[Path], state_bytes: int = CHILD_STATE_BYTES) -> list[list[int]]:
-    """Snapshot indices per child: at most ``state_bytes`` of files each (one at least; ``0``:
-    one snapshot per child)."""
-    groups: list[list[int]] = []
-    size = 0
-    for i, p in enumerate(paths):
-        n = p.stat().st_size
-        if not groups or size + n > state_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += n
-    return groups
+def _groups(paths: list[Path], per_child: int | None = None) -> list[list[int]]:
+    """Snapshot indices per child: ``per_child`` each (``None``: all in one child). A child
+    holds one snapshot at a time whatever its count (:mod:`~prism_challenge.rescore_child` reads
+    the next only after the last job of the one before), so one child serves them all: one
+    interpreter and device start-up per mode instead of one per snapshot."""
+    n = len(paths)
+    size = n if per_child is None else max(1, per_child)
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)] if n else []
 
 
 CHILD_ARGV = (sys.executable, "-m", "prism_challenge.rescore_child", "--stdin")
 
 
+def child_argv(device: str = "cpu") -> list[str]:
+    """The audit child's command for ``device``: on CUDA with ``--device cuda``, so that a
+    spare starts CUDA in its prologue while it waits to be fed
+    (:func:`prism_challenge.rescore_child.start_device`); the spare's key is this argv."""
+    return [*CHILD_ARGV, "--device", "cuda"] if str(device).startswith("cuda") else list(CHILD_ARGV)
+
+
 def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str,
-              state_bytes: int = CHILD_STATE_BYTES) -> list[tuple[str, int, Any]]:
-    """One ``(mode, jobs, payload maker)`` per ``mode`` child: its jobs' count and a function
-    that reads its snapshots only when it is fed (one child's files in memory at a time)."""
+              per_child: int | None = None, expect: Sequence[str | None] | None = None
+              ) -> list[tuple[str, int, Any]]:
+    """One ``(mode, jobs, payload maker)`` per ``mode`` child (:func:`_groups`): its jobs' count
+    and a function that makes its :class:`~prism_challenge.evaluator.snapfile.SnapshotFeed` (the
+    snapshots are read as they are fed, and checked against ``expect``, the sha256 per path,
+    after the child ended)."""
     out = []
-    for group in _groups(jobs, paths, state_bytes):
+    for group in _groups(paths, per_child):
         mine = [j for j in jobs if j.state in group]
         if not mine:
             continue
@@ -238,16 +242,17 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
                  "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
 
-        def payload(child=child, batches=batches, group=group) -> bytes:
+        def payload(child=child, batches=batches, group=group) -> SnapshotFeed:
             head = _frame(json.dumps(child).encode()) + _frame(_pack_batches(batches))
-            return head + b"".join(_frame(paths[s].read_bytes()) for s in group)
+            return SnapshotFeed(head, [paths[s] for s in group], [expect[s] for s in group] if expect else None)
 
         out.append((mode, len(mine), payload))
     return out
 
 
 def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float, writable: Sequence[str],
-               child_limit: Callable[[int], float] | None = None) -> dict[str, list[dict[str, Any]]]:
+               child_limit: Callable[[int], float] | None = None, device: str = "cpu"
+               ) -> dict[str, list[dict[str, Any]]]:
     """Run one child per task, one at a time, the next one warming while one works (see
     :func:`run_both`); each mode's per-job results in task order. ``child_limit(jobs)``: the
     seconds one child of that many jobs may take (``None``: until ``deadline``); a child that
@@ -257,24 +262,29 @@ def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float,
         AuditError: as :func:`run_both`; ``hang: ...`` for a child past its own limit.
     """
     results: dict[str, list[dict[str, Any]]] = {"rescore": [], "blind": []}
+    argv = child_argv(device)
     try:
         for i, (mode, count, payload) in enumerate(tasks):
             data = payload()
             empty_folders(writable)  # nothing another child left there (freshdir)
             left = deadline - time.monotonic()
             limit = child_limit(count) if child_limit is not None else None
-            done = jail.run(list(CHILD_ARGV), input=data, timeout_s=min(left, limit) if limit else left,
+            done = jail.run(argv, input=data, timeout_s=min(left, limit) if limit else left,
                             writable=writable, warm_next=i + 1 < len(tasks))
             if done.timed_out and limit is not None and limit < left:
                 raise AuditError(f"hang: the {mode} process of one snapshot ({count} job(s)) ran past its own "
                                  f"limit of {limit:.0f} s", by_submission=True)
             reply = _reply(done, mode)
+            changed = data.changed() if isinstance(data, SnapshotFeed) else []
+            if changed:  # never the submission's doing: no jailed process can write the audit folder
+                raise AuditError(f"audit: the snapshot {changed[0]} no longer hashes to the value bound when it was "
+                                 f"written")
             got = reply.get("jobs")
             if not isinstance(got, list) or len(got) != count:
                 raise AuditError(f"protocol: malformed reply from the {mode} process")
             results[mode] += got
     finally:
-        jail.drop_spare(list(CHILD_ARGV), writable=writable)  # an earlier child failed: never fed
+        jail.drop_spare(argv, writable=writable)  # an earlier child failed: never fed
     return results
 
 
@@ -286,12 +296,13 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
     Raises:
         AuditError: as :func:`run_both`.
     """
-    return _run_tasks(jail, _payloads(config, jobs, paths, mode), deadline=deadline, writable=writable)[mode]
+    return _run_tasks(jail, _payloads(config, jobs, paths, mode), deadline=deadline, writable=writable,
+                      device=str(config.get("device", "cpu")))[mode]
 
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
-             deadline: float, writable: Sequence[str], state_bytes: int = CHILD_STATE_BYTES,
-             child_limit: Callable[[int], float] | None = None
+             deadline: float, writable: Sequence[str], per_child: int | None = None,
+             child_limit: Callable[[int], float] | None = None, expect: Sequence[str | None] | None = None
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
     any): ``(rescored, blind or None)``, each list in job order.
@@ -308,9 +319,10 @@ def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job
         AuditError: timeout, an audit-hook refusal, a crash, a malformed reply, the child's error
             (the re-scoring's first).
     """
-    tasks = (_payloads(config, jobs, paths, "rescore", state_bytes)
-             + (_payloads(config, blind, paths, "blind", state_bytes) if blind else []))
-    results = _run_tasks(jail, tasks, deadline=deadline, writable=writable, child_limit=child_limit)
+    tasks = (_payloads(config, jobs, paths, "rescore", per_child, expect)
+             + (_payloads(config, blind, paths, "blind", per_child, expect) if blind else []))
+    results = _run_tasks(jail, tasks, deadline=deadline, writable=writable, child_limit=child_limit,
+                         device=str(config.get("device", "cpu")))
     empty_folders(writable)
     return results["rescore"], (results["blind"] if blind else None)
 
@@ -418,8 +430,8 @@ def hang_limit(timeout_s: float, batch_s: float) -> Callable[[int], float]:
 
 
 def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs: list[Job], paths: list[Path],
-                  deadline: float, timeout_s: float, artifacts_dir: str, batch_s: float | None = None
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                  deadline: float, timeout_s: float, artifacts_dir: str, batch_s: float | None = None,
+                  expect: Sequence[str | None] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """:func:`run_both` before ``deadline``; when it fails of the submission's doing
     (``AuditError.by_submission``), once more with one snapshot per child and a fresh
     ``timeout_s`` (:data:`REFUSED`): a second failure of any kind, a timeout too, then follows a
@@ -434,7 +446,8 @@ def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs
             <second>`` when the second try failed too (after a timeout first: of the submission's doing).
     """
     try:
-        return run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir])
+        return run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir],
+                        expect=expect)
     except AuditError as first:
         timed_out = str(first).startswith("timeout:") and batch_s is not None and batch_s >= 0
         if not (first.by_submission or timed_out):
@@ -444,7 +457,8 @@ def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs
         retry_s = 2 * limit(most) if limit is not None else timeout_s
         try:
             return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + retry_s,
-                            writable=[artifacts_dir], state_bytes=0, child_limit=limit)
+                            writable=[artifacts_dir], per_child=1, child_limit=limit,
+                            expect=expect)
         except AuditError as second:
             if timed_out and not first.by_submission and not second.by_submission:
                 raise first from None  # the whole audit is too slow here, and no child hung: no proof
@@ -484,8 +498,9 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
     try:
+        digests = {Path(a.snapshot): a.sha256 for a in audits.values() if a.snapshot is not None}
         rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir,
-                                        batch_s)
+                                        batch_s, [digests.get(p) for p in paths])
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(

@@ -1,6 +1,8 @@
 """The audit's child process (:mod:`prism_challenge.rescore`): ``python -m
-prism_challenge.rescore_child --stdin``, started in the run's jail. It reads the config, the
-batches and one frame per weight snapshot on stdin, and prints one JSON line on stdout; for each
+prism_challenge.rescore_child --stdin [--device cuda]``, started in the run's jail. It reads the
+config and the batches on stdin, then one frame per weight snapshot, each only when its first job
+comes (:class:`~prism_challenge.evaluator.snapfile.SnapshotStream`: one snapshot held at a time,
+however many the child re-scores), and prints one JSON line on stdout; for each
 job it builds the model in the run's context, loads the job's snapshot and scores the batch:
 ``rescore`` mode as the instrument does (nats, and the nats of the probed targets), ``blind`` mode
 the log-probabilities at the probed positions.
@@ -51,14 +53,14 @@ def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: i
     return {"logprobs": vectors, "precision": precision}
 
 
-def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[bytes]) -> list[dict[str, Any]]:
-    """The child's work: per job, build the model in the run's context, load its snapshot, score.
+def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) -> list[dict[str, Any]]:
+    """The child's work: per job, build the model in the run's context, load its snapshot
+    (``states.load(i)``, :class:`~prism_challenge.evaluator.snapfile.SnapshotStream`), score.
 
     Raises:
         AuditError: ``"<stage>: <reason>"`` for import, build, load and score failures.
     """
     import importlib
-    import io
 
     import torch
     from torch import nn
@@ -99,8 +101,9 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
             if count_unique_elements(model)[0] > int(config["max_parameters"]):
                 raise AuditError("build: the model is over the parameter cap")
             stage = "load"
-            sd = torch.load(io.BytesIO(states[int(job["state"])]), map_location="cpu", weights_only=True)
+            sd = states.load(int(job["state"]))
             load_scored_state(model, sd)  # each tensor in its own dtype: the model that scored
+            del sd  # the snapshot's buffer goes before the next one is read
             model = model.to(device)
             stage = "score"
             tokens = torch.tensor(batch, dtype=torch.int64).to(device)  # a copy: the model may write to it
@@ -115,18 +118,47 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: list[by
 
 
 WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
+                "prism_challenge.evaluator.snapfile",
                 "prism_challenge.evaluator.interface", "prism_challenge.evaluator.seeding",
                 "prism_challenge.gates.param_count")
 
 
-def _warm_up() -> None:
-    """Import torch and the harness modules :func:`child_run` uses before stdin is read: the
-    audit starts a child while the one before it works (:func:`prism_challenge.rescore.run_both`),
-    and this is all such a child runs until it is fed."""
+def _warm_up(device: str = "cpu") -> None:
+    """Import torch and the harness modules :func:`child_run` uses before stdin is read, and
+    start ``device`` (:func:`start_device`): the audit starts a child while the stream or the
+    child before it works (a spare, :meth:`~prism_challenge.evaluator.jail.Jail.warm`), and this
+    is all such a child runs until it is fed."""
     import importlib
 
     for name in WARM_MODULES:
         importlib.import_module(name)
+    start_device(device)
+
+
+def start_device(device: str) -> None:
+    """The one place a re-scoring or blind child starts its device: in its prologue, before it
+    reads stdin and before the audit hook is armed (:func:`child_run` arms it), so a spare pays
+    CUDA's start-up while it waits. CPU: nothing. A failure is left to the child's own first
+    use of the device (it names it there)."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        import torch
+
+        from prism_challenge.evaluator.cudainit import start_cuda
+
+        torch.empty(1, device=start_cuda(device))  # cudainit's start-up, and the context made now
+    except Exception as exc:  # noqa: BLE001 - reported by the first real use
+        sys.stderr.write(f"prism rescore child: CUDA did not start in the prologue: {exc}\n")
+
+
+def _device_arg(argv: list[str]) -> str | None:
+    """The device of ``--stdin [--device D]`` (``cpu`` without it), ``None`` for other argv."""
+    if argv == ["--stdin"]:
+        return "cpu"
+    if len(argv) == 3 and argv[:2] == ["--stdin", "--device"] and argv[2] in ("cpu", "cuda"):
+        return argv[2]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,16 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever else writes to stdout lands in stderr
-    if argv != ["--stdin"]:
-        sys.stderr.write("usage: python -m prism_challenge.rescore_child --stdin\n")
+    device = _device_arg(argv)
+    if device is None:
+        sys.stderr.write("usage: python -m prism_challenge.rescore_child --stdin [--device cpu|cuda]\n")
         return 2
-    _warm_up()
+    _warm_up(device)
     try:
+        from prism_challenge.evaluator.snapfile import SnapshotStream
+
         stdin = sys.stdin.buffer
         config = json.loads(_read_frame(stdin))
         batches = _unpack_batches(_read_frame(stdin))
-        states = [_read_frame(stdin) for _ in range(1 + max(int(j["state"]) for j in config["jobs"]))]
-        reply: dict[str, Any] = {"ok": True, "jobs": child_run(config, batches, states)}
+        uses = [0] * (1 + max(int(j["state"]) for j in config["jobs"]))
+        for j in config["jobs"]:
+            uses[int(j["state"])] += 1
+        states = SnapshotStream(stdin, uses)
+        reply: dict[str, Any] = {"ok": True, "jobs": child_run(config, batches, states), "held": states.held_max}
     except AuditError as exc:
         reply = {"ok": False, "error": str(exc)}
     except MemoryError:

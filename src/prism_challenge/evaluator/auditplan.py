@@ -8,7 +8,10 @@ to ride on the next BATCH, read only when the loop asked again, so a loop that s
 last batch kept that batch's snapshot from the audit: red team, issue 25). Rank 0 copies the scored module's ``state_dict`` before each scoring forward (before any
 submitted code ran on the batch, so before the loop could train on it) and keeps the copy until
 that answer; for an audited batch it sends it: the weights that scored the batch, and nothing
-the forward could have stored in them from the batch itself. After the stream, fresh sandboxed processes rebuild the
+the forward could have stored in them from the batch itself. It sends it on a thread of its own
+while the loop trains on the batch (:mod:`~prism_challenge.evaluator.snapsend`), and its request
+for the next batch follows the snapshot, so the feeder holds the snapshot, written and hashed,
+before batch ``k + 1`` exists for the rank. After the stream, fresh sandboxed processes rebuild the
 model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
 
 **Schedule: harmonic, keyed on the run's secret.** Batch 0 is always audited; every later

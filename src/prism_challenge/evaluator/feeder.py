@@ -695,6 +695,8 @@ class Feeder:
             store.end(header, audited)
         except StateError as exc:
             raise ProtocolError(str(exc)) from None
+        except OSError as exc:  # the trusted side's disk: not the rank's fault, and never silent
+            raise RuntimeError(f"the snapshot of audited batch {store.expected} cannot be written: {exc}") from None
 
     def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
         with self._lock:
@@ -835,6 +837,10 @@ class Feeder:
         their audits (the audited steps are then exactly the drawn steps among the scored ones:
         ``auditplan.drawn_steps(key, len(steps), A)``)."""
         self.close()
+        if not any(t.is_alive() for t in self._readers):  # a snapshot cut short: its partial file goes
+            for st in list(self._ranks.values()):
+                if st.snapshots is not None:
+                    st.snapshots.abort()
         with self._lock:
             self.result.steps.sort(key=lambda s: s.step)
             scored = {s.step for s in self.result.steps}

@@ -30,7 +30,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -362,7 +362,7 @@ class Jail:
             self.children = [p for p in self.children if p.returncode is None] + [proc]
         return proc, group
 
-    def run(self, argv: Sequence[str], *, input: bytes = b"", timeout_s: float,
+    def run(self, argv: Sequence[str], *, input: bytes | Iterable[bytes] = b"", timeout_s: float,
             writable: Sequence[str | os.PathLike[str]] = (), env: dict[str, str] | None = None,
             cwd: str | os.PathLike[str] | None = None, warm_next: bool = False) -> Finished:
         """Run ``argv`` in the jail to its end or to ``timeout_s`` seconds (then its whole group
@@ -422,13 +422,20 @@ class Jail:
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         return Started(proc, group, folders)
 
-    def finish(self, started: Started, *, input: bytes = b"", timeout_s: float) -> Finished:
+    def finish(self, started: Started, *, input: bytes | Iterable[bytes] = b"", timeout_s: float) -> Finished:
         """Feed a :meth:`start`-ed child ``input`` and wait for its end, at most ``timeout_s``
-        seconds from now (then its whole group is killed); never raises for its own failure."""
+        seconds from now (then its whole group is killed); never raises for its own failure.
+        ``input``: bytes, or an iterable of byte blocks written one by one as the child reads
+        (:func:`stream_input`: a large input is never held whole).
+
+        Raises:
+            OSError: the iterable failed (e.g. a file it reads), after the child ended.
+        """
         proc, group = started.proc, started.group
         timed_out = False
+        feeder = None if isinstance(input, (bytes, bytearray, memoryview)) else stream_input(proc, input)
         try:
-            out, err = proc.communicate(input, timeout=max(0.0, timeout_s))
+            out, err = proc.communicate(input if feeder is None else None, timeout=max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
             timed_out = True
             kill_group(proc)
@@ -440,6 +447,10 @@ class Jail:
         finally:
             oom = group is not None and group.oom_killed()
             self._release(group)
+            if feeder is not None:
+                feeder.join()
+        if feeder is not None and feeder.error is not None:
+            raise feeder.error
         if timed_out:
             return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
         if proc.returncode == 0:
@@ -524,6 +535,37 @@ def _folder_ids(folders: Sequence[str | os.PathLike[str]]) -> tuple:
 def _spare_key(argv: Sequence[str], writable: Sequence[str | os.PathLike[str]], env: dict[str, str] | None,
                cwd: str | os.PathLike[str] | None) -> tuple:
     return tuple(argv), tuple(map(str, writable)), tuple(sorted((env or {}).items())), None if cwd is None else str(cwd)
+
+
+class _Streamer(threading.Thread):
+    """Writes an iterable's blocks to a child's stdin, then closes it (:func:`stream_input`)."""
+
+    def __init__(self, pipe: Any, blocks: Iterable[bytes]):
+        super().__init__(name="prism-jail-stdin", daemon=True)
+        self.pipe, self.blocks, self.error = pipe, blocks, None
+
+    def run(self) -> None:
+        try:
+            for block in self.blocks:
+                self.pipe.write(block)
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            pass  # the child stopped reading (it ended, or was killed): its outcome says why
+        except OSError as exc:
+            self.error = exc
+        finally:
+            try:
+                self.pipe.close()
+            except OSError:
+                pass
+
+
+def stream_input(proc: subprocess.Popen, blocks: Iterable[bytes]) -> _Streamer:
+    """Start writing ``blocks`` to ``proc``'s stdin on a thread (taken from ``proc``, so
+    ``communicate`` only reads); the thread's ``error`` holds an ``OSError`` the iterable raised."""
+    pipe, proc.stdin = proc.stdin, None
+    streamer = _Streamer(pipe, blocks)
+    streamer.start()
+    return streamer
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -48,6 +48,7 @@ from prism_challenge.evaluator.seeding import (
     force_seeds,
     force_source_imports,
 )
+from prism_challenge.evaluator.snapsend import SnapshotSender
 from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
@@ -83,10 +84,27 @@ class Runtime:
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
         self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
+        self.sender: SnapshotSender | None = None  # rank 0: the audited batch's snapshot, on its way
+
+    def settle(self) -> None:
+        """Wait until the snapshot on its way (:class:`SnapshotSender`) has left: the runner sends
+        nothing while it runs (it owns the socket).
+
+        Raises:
+            protocol.ProtocolError: it could not be sent.
+        """
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.settle()
 
     # -- reporting ---------------------------------------------------------------------------
     def report_error(self, stage: str, message: str, tb: str = "") -> None:
-        """Send an ERROR frame (best effort: the feeder may already be gone)."""
+        """Send an ERROR frame (best effort: the feeder may already be gone), once the snapshot on
+        its way has left."""
+        try:
+            self.settle()
+        except protocol.ProtocolError:
+            pass
         try:
             protocol.send(self.sock, Kind.ERROR, {"stage": stage, "message": message, "traceback": tb})
         except OSError:
@@ -176,6 +194,7 @@ class Runtime:
         request = {"batch_size": batch_size, "seq_len": seq_len}
         protocol.send(self.sock, Kind.NEXT, request)
         while True:
+            self.settle()  # an audited batch's snapshot (and the request after it) left while the loop trained
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
             kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
@@ -200,8 +219,8 @@ class Runtime:
             record = (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
             if self.config.get("audit"):  # the answer first, then the request: one round trip per batch
                 protocol.send(self.sock, *record)
-                self.await_answer(step)
-                protocol.send(self.sock, Kind.NEXT, request)
+                if not self.await_answer(step, then=((Kind.NEXT, request),)):
+                    protocol.send(self.sock, Kind.NEXT, request)
             else:
                 protocol.send_small(self.sock, record, (Kind.NEXT, request))
             try:
@@ -209,6 +228,7 @@ class Runtime:
             except GeneratorExit:
                 # the loop dropped the stream before its end: tell the feeder now, so ranks that go
                 # on without this one fail fast instead of hanging in a collective
+                self.settle()
                 protocol.send(self.sock, Kind.EVENT, {"event": "left", "batches": step + 1})
                 raise
             step += 1
@@ -238,10 +258,11 @@ class Runtime:
             out[name] = copies[view]
         return step, out
 
-    def await_answer(self, step: int) -> None:
+    def await_answer(self, step: int, then: tuple[tuple[Kind, dict], ...] = ()) -> bool:
         """Read the feeder's answer to batch ``step``'s record (an ANSWER frame, sent at once) and
         act on it (:meth:`answer_audit`), before the loop gets the batch: an audited batch's
-        snapshot leaves whatever the loop does next, even if it never asks for another batch.
+        snapshot starts to leave whatever the loop does next, even if it never asks for another
+        batch. Whether a snapshot is on its way (it sends ``then`` after it).
 
         Raises:
             protocol.ProtocolError: another frame, or an answer to another batch.
@@ -250,13 +271,15 @@ class Runtime:
         answer = header.get("audited")
         if kind != Kind.ANSWER or not (isinstance(answer, list) and answer[:1] == [step]):
             raise protocol.ProtocolError(f"expected the feeder's answer to batch {step}'s record, got {kind.name}")
-        self.answer_audit(header)
+        return self.answer_audit(header, then)
 
-    def answer_audit(self, header: dict[str, Any]) -> None:
+    def answer_audit(self, header: dict[str, Any], then: tuple[tuple[Kind, dict], ...] = ()) -> bool:
         """The feeder's answer to a batch's record (``audited``: ``[step, bool]``, an ANSWER frame the
-        feeder sends once the record arrived, :meth:`await_answer`). For an audited batch rank 0 sends the copy it
-        kept of the weights before that batch was scored (:meth:`_state_before`); the copy is
-        dropped either way (:mod:`~prism_challenge.evaluator.auditplan`).
+        feeder sends once the record arrived, :meth:`await_answer`). For an audited batch rank 0
+        sends the copy it kept of the weights before that batch was scored (:meth:`_state_before`)
+        on a thread of its own (:class:`SnapshotSender`), followed by the frames ``then``; the
+        copy is dropped either way (:mod:`~prism_challenge.evaluator.auditplan`). Whether a
+        sender started.
 
         Raises:
             protocol.ProtocolError: an answer to another batch than the kept one, or an audit
@@ -264,23 +287,22 @@ class Runtime:
         """
         answer = header.get("audited")
         if answer is None:
-            return
+            return False
         kept, self.kept = self.kept, None
         if not (isinstance(answer, list) and len(answer) == 2 and answer[1] is True) or self.rank != 0:
-            return
+            return False
         if kept is None or kept[0] != answer[0]:
             raise protocol.ProtocolError(f"batch {answer[0]} is audited, and its weights were not kept")
-        step, before = kept
-        state = {k: v.to("cpu").contiguous() for k, v in before.items()}
-        for head, payload in frames(state):
-            protocol.send(self.sock, Kind.SNAPSHOT, {**head, "step": step}, payload)
-        protocol.send(self.sock, Kind.SNAPSHOT_END, {"step": step, "tensors": len(state)})
+        self.settle()
+        self.sender = SnapshotSender(self.sock, kept[0], kept[1], then)
+        return True
 
     def drain_answer(self) -> None:
         """After ``train`` returned: a loop that stopped before asking past its last batch left the
         answer to that batch's record unread, in the frame the feeder sent for the request made
         with it (the next BATCH, never scored now, or END): read it, and send the kept snapshot
-        when that batch is audited."""
+        when that batch is audited; then wait until the snapshot on its way has left."""
+        self.settle()
         if self.kept is None:
             return
         self.sock.settimeout(DRAIN_TIMEOUT_S)
@@ -290,6 +312,7 @@ class Runtime:
             self.sock.settimeout(None)
         if kind in (Kind.BATCH, Kind.END):
             self.answer_audit(header)
+            self.settle()
 
     def _check_determinism(self, step: int) -> None:
         """Fail the run (stage contract) when the loop switched forced determinism or precision

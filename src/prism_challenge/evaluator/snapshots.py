@@ -3,8 +3,9 @@
 For each audited step the feeder keeps every rank's slice of the batch (token ids ``[B, T]``),
 the nats each rank recorded for it, and rank 0's snapshot of the scored module's ``state_dict``
 as it stood when the batch was scored. The snapshot arrives as SNAPSHOT frames (the raw-tensor
-format of :mod:`~prism_challenge.evaluator.statedict`, never pickled) and is written with
-``torch.save`` to ``<audit dir>/step-<step>.pt``; its sha256 is the sha256 of that file.
+format of :mod:`~prism_challenge.evaluator.statedict`, never pickled), each written to
+``<audit dir>/step-<step>.snap`` as it arrives (:mod:`~prism_challenge.evaluator.snapfile`); its
+sha256, the sha256 of that file, is computed over the bytes as they are written.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.evaluator.statedict import StateError, rebuild
+from prism_challenge.evaluator.snapfile import SnapshotWriter
+from prism_challenge.evaluator.statedict import StateError, check_frame
 
 
 def snapshot_name(step: int) -> str:
     """The snapshot file's name for ``step``."""
-    return f"step-{step:06d}.pt"
+    return f"step-{step:06d}.snap"
 
 
 def file_sha256(path: str | Path) -> str:
@@ -53,7 +55,13 @@ class AuditedStep:
 
 
 class SnapshotStore:
-    """Assembles the SNAPSHOT frames of one rank (rank 0) into files, one audited step at a time.
+    """Writes the SNAPSHOT frames of one rank (rank 0) to files as they arrive, one audited step
+    at a time (:class:`~prism_challenge.evaluator.snapfile.SnapshotWriter`): each tensor's bytes
+    go to the file and into its sha256 the moment its frame is read, so no snapshot is ever held
+    whole on the trusted side (one frame, one tensor, at a time), and the digest is known when
+    the last byte is written. The file lives in the trusted side's audit folder, which no jailed
+    process can write: the bytes hashed are the bytes the audit later feeds its children (who
+    hash them again as they are fed, :mod:`~prism_challenge.rescore`).
 
     Args:
         directory: where the files go (created on first use).
@@ -63,7 +71,8 @@ class SnapshotStore:
     def __init__(self, directory: Path, max_bytes: int):
         self.directory, self.max_bytes = Path(directory), max_bytes
         self.expected: int | None = None  # the step whose snapshot is due (rank 0 was told it is audited)
-        self._tensors: dict[str, Any] = {}
+        self._writer: SnapshotWriter | None = None
+        self._names: set[str] = set()
         self._bytes = 0
 
     def expect(self, step: int) -> None:
@@ -74,42 +83,52 @@ class SnapshotStore:
         """
         if self.expected is not None:
             raise StateError(f"the snapshot of audited batch {self.expected} did not end before batch {step}'s")
-        self.expected, self._tensors, self._bytes = step, {}, 0
+        self.expected, self._names, self._bytes = step, set(), 0
 
     def room(self) -> int:
         """Bytes the next SNAPSHOT frame may carry (0 when none is due)."""
         return 0 if self.expected is None else max(self.max_bytes - self._bytes, 0)
 
     def add(self, header: dict[str, Any], payload: bytearray) -> None:
-        """One SNAPSHOT frame.
+        """One SNAPSHOT frame: checked, written and hashed now.
 
         Raises:
             StateError: none is due, another step's, a bad tensor, a name sent twice, too large.
+            OSError: the file cannot be written.
         """
         if self.expected is None or header.get("step") != self.expected:
             raise StateError(f"a snapshot tensor for batch {header.get('step')!r}, which was not audited now")
-        self._bytes += len(payload)
+        self._bytes += len(payload) + len(str(header.get("name"))) + 64  # the index entry counts too
         if self._bytes > self.max_bytes:
             raise StateError(f"the snapshot of batch {self.expected} exceeds {self.max_bytes} bytes")
-        name, tensor = rebuild({k: header.get(k) for k in ("name", "dtype", "shape")}, payload)
-        if name in self._tensors:
+        name, dtype, shape = check_frame({k: header.get(k) for k in ("name", "dtype", "shape")}, payload)
+        if name in self._names:
             raise StateError(f"snapshot tensor {name!r} of batch {self.expected} sent twice")
-        self._tensors[name] = tensor
+        self._names.add(name)
+        if self._writer is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._writer = SnapshotWriter(self.directory / snapshot_name(self.expected))
+        self._writer.add(name, dtype, shape, payload)
 
     def end(self, header: dict[str, Any], audited: AuditedStep) -> None:
-        """The SNAPSHOT_END frame: write the file, fill ``audited.snapshot`` and ``sha256``.
+        """The SNAPSHOT_END frame: close the file, fill ``audited.snapshot`` and ``sha256``.
 
         Raises:
             StateError: none is due, another step's, or a tensor count that differs.
             OSError: the file cannot be written.
         """
-        import torch
-
         step = self.expected
-        if step is None or header.get("step") != step or header.get("tensors") != len(self._tensors):
+        if step is None or header.get("step") != step or header.get("tensors") != len(self._names):
             raise StateError(f"a malformed end of the snapshot of batch {header.get('step')!r}")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / snapshot_name(step)
-        torch.save(self._tensors, path)
-        audited.snapshot, audited.sha256 = path, file_sha256(path)
-        self.expected, self._tensors, self._bytes = None, {}, 0
+        if self._writer is None:  # a state with no tensor: an empty file of the format
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._writer = SnapshotWriter(self.directory / snapshot_name(step))
+        writer, self._writer = self._writer, None
+        audited.sha256, audited.snapshot = writer.close(), writer.path
+        self.expected, self._names, self._bytes = None, set(), 0
+
+    def abort(self) -> None:
+        """Remove an unfinished snapshot's file (the run failed or the rank left mid-snapshot)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.abort()

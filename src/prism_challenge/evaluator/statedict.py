@@ -84,8 +84,9 @@ def frames(state: Mapping[str, torch.Tensor]) -> Iterable[tuple[dict, memoryview
         yield {"name": name, "dtype": str(t.dtype), "shape": list(t.shape)}, tensor_bytes(t)
 
 
-def rebuild(header: dict, payload: bytes | bytearray) -> tuple[str, torch.Tensor]:
-    """One tensor from a STATE frame (trusted side).
+def check_frame(header: dict, payload: bytes | bytearray | memoryview) -> tuple[str, str, list[int]]:
+    """``(name, dtype, shape)`` of a STATE or SNAPSHOT frame whose payload holds exactly that
+    tensor's raw bytes (trusted side; nothing is built).
 
     Raises:
         StateError: bad name, dtype or shape, or a payload of the wrong size.
@@ -102,7 +103,18 @@ def rebuild(header: dict, payload: bytes | bytearray) -> tuple[str, torch.Tensor
     itemsize = torch.empty((), dtype=dt).element_size()
     if len(payload) != numel * itemsize:
         raise StateError(f"state tensor {name!r}: {len(payload)} bytes for shape {shape} of {dtype}")
-    if numel == 0:
+    return name, dtype, shape
+
+
+def rebuild(header: dict, payload: bytes | bytearray) -> tuple[str, torch.Tensor]:
+    """One tensor from a STATE frame (trusted side).
+
+    Raises:
+        StateError: as :func:`check_frame`.
+    """
+    name, dtype, shape = check_frame(header, payload)
+    dt = DTYPES[dtype]
+    if not len(payload):
         return name, torch.empty(shape, dtype=dt)
     return name, torch.frombuffer(bytearray(payload), dtype=dt).reshape(shape).clone()
 
