@@ -10,9 +10,9 @@
 # Phases, each under its own `timeout`, the next one run whatever the last gave:
 #   wheels    install bench/wheels offline into a site folder the sandbox can read; PRISM from src/
 #   facts     nvidia-smi, torch/CUDA, capability, driver, Python, disk, memory, cgroup, imports, corpus
-#   children  the jailed CUDA check child; the example and bench/bundles/cuda-count with the
+#   children  the jailed CUDA check child; the example and its variant cuda-count with the
 #             held-out stage and the audit on (their children start CUDA under the sandbox)
-#   probes    bench/bundles/probe-{bf16cast,autocast,compile}: small `prism eval` runs
+#   probes    the example's variants bf16-cast, autocast-loop, compile (bench/variants.py): small runs
 #   smoke     bench/gpu_smoke.py: the example against the bare loop, the bf16 bundle with held-out
 #   bigmodel  bench/bundles/gpt2-100m (~100M parameters) against bench/bare_loop.py, bf16 then fp32
 # Logs and summary.json go to $OUT (a temporary folder when unset): session.log, summary.json and

@@ -7,11 +7,11 @@ runs one phase within ``S`` seconds and writes its outcome to ``FILE`` as JSON: 
 * ``facts``: the host (nvidia-smi, torch and CUDA, capability, driver, Python, disk, memory,
   cgroup, the sandbox backend), that PRISM's modules import, and the embedded corpus built once;
 * ``children``: the jailed CUDA check child, then two ``prism eval`` runs with the held-out stage
-  and the audit on, whose children start CUDA under the sandbox: the example, and
-  ``bench/bundles/cuda-count`` (``torch.cuda.device_count()`` in ``build_model``, before CUDA
-  starts in a child);
-* ``probes``: ``bench/bundles/probe-bf16cast``, ``probe-autocast`` and ``probe-compile``, each a
-  one-line variant of the example, each a small ``prism eval`` (on a dry run the compile probe
+  and the audit on, whose children start CUDA under the sandbox: the example, and its variant
+  ``cuda-count`` (``bench/variants.py``: ``torch.cuda.device_count()`` in ``build_model``, before
+  CUDA starts in a child);
+* ``probes``: the example's variants ``bf16-cast``, ``autocast-loop`` and ``compile``
+  (``bench/variants.py``, written from the example for the run), each a small ``prism eval`` (on a dry run the compile probe
   names the ``aot_eager`` backend: :data:`DRY_COMPILE`);
 * ``bigmodel``: ``bench/bundles/gpt2-100m`` (about 100M parameters) against the bare loop
   (``bench/bare_loop.py``) in bf16 (``scoring_autocast: bf16``, the loop under bf16 autocast)
@@ -41,6 +41,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
+from variants import write_variant  # noqa: E402
 
 # (device, dry-run) sizes: tokens, seq_len, held-out bytes
 TINY = {"device": (8_192, 256, 100_000), "dry": (2_048, 64, 20_000)}
@@ -189,8 +190,10 @@ def phase_children(a: argparse.Namespace) -> int:
         ph.problems.append(f"the jailed CUDA check child on a CPU host: want 'is_available() is False', got {check}")
     print(f"[children] jailed CUDA check child: {json.dumps(check)[:600]}", flush=True)
     tokens, seq_len, heldout = TINY["dry" if a.dry_run else "device"]
-    for key, bundle in (("example", ROOT / "examples" / "tiny-1m"), ("cuda_count", BENCH / "bundles" / "cuda-count")):
-        ph.run_eval(key, bundle, tokens=tokens, seq_len=seq_len, heldout=heldout, cap=90)
+    with tempfile.TemporaryDirectory(prefix="prism-probes-") as d:
+        count = write_variant("cuda-count", Path(d) / "cuda-count")
+        for key, bundle in (("example", ROOT / "examples" / "tiny-1m"), ("cuda_count", count)):
+            ph.run_eval(key, bundle, tokens=tokens, seq_len=seq_len, heldout=heldout, cap=90)
     return ph.finish()
 
 
@@ -204,10 +207,9 @@ def phase_probes(a: argparse.Namespace) -> int:
     ph = Phase("probes", a)
     tokens, seq_len, heldout = TINY["dry" if a.dry_run else "device"]
     with tempfile.TemporaryDirectory(prefix="prism-probes-") as d:
-        for key in ("bf16cast", "autocast", "compile"):  # compile last: the slowest to start
-            bundle = BENCH / "bundles" / f"probe-{key}"
+        for key, name in (("bf16cast", "bf16-cast"), ("autocast", "autocast-loop"), ("compile", "compile")):
+            bundle = write_variant(name, Path(d) / name)  # compile last: the slowest to start
             if key == "compile" and a.dry_run:
-                bundle = shutil.copytree(bundle, Path(d) / bundle.name)
                 text = (bundle / "training.py").read_text()
                 if text.count(DRY_COMPILE[0]) != 1:
                     raise ValueError(f"{bundle.name}/training.py: want one '{DRY_COMPILE[0]}'")

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bounded import TIMED_OUT, run_bounded  # noqa: E402
 from session_phases import IMPORTS, big_variant  # noqa: E402
 from session_summary import ORDER, phase_record, summarize  # noqa: E402
+from variants import VARIANTS, write_variant  # noqa: E402
 
 GPU_PHASES = ("children", "probes", "smoke", "bigmodel")
 
@@ -191,26 +192,15 @@ def test_a_bounded_command_within_its_limit_keeps_its_status():
     assert (done.returncode, done.stdout, done.timed_out) == (3, "x\n", False)
 
 
-PROBE_CHANGES = {
-    "probe-compile": ("training.py", "torch.compile(model)"),
-    "probe-bf16cast": ("training.py", ".to(torch.bfloat16)"),
-    "probe-autocast": ("training.py", "torch.autocast(device_type="),
-    "cuda-count": ("architecture.py", "torch.cuda.device_count()"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(PROBE_CHANGES))
-def test_each_probe_is_the_example_with_its_change_and_passes_the_gates(name):
-    bundle = REPO / "bench" / "bundles" / name
-    changed, marker = PROBE_CHANGES[name]
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_each_variant_is_the_example_with_its_change_and_passes_the_gates(tmp_path, name):
+    bundle = write_variant(name, tmp_path / name)
+    changed, old, new, _ = VARIANTS[name]
     for file in ("architecture.py", "training.py"):
         mine, example = (bundle / file).read_text(), (EXAMPLE / file).read_text()
-        if file != changed:
-            assert mine == example
-        else:
-            assert marker in mine and marker not in example
-            added = set(mine.splitlines()) - set(example.splitlines())
-            assert 0 < len(added) <= 12  # the autocast probe re-indents the loop's 9 lines under its `with`
+        assert mine == (example.replace(old, new) if file == changed else example)
+    assert new not in (EXAMPLE / changed).read_text()  # a change, not a copy
+    assert load_bundle(bundle).tokenizer == "gpt2"
     assert not [f for f in run_gates(bundle, check_params=False).findings if f.blocking]
 
 

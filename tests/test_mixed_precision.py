@@ -7,7 +7,7 @@
   bf16), and the manifest records it;
 * ``prism verify`` refuses a CUDA run on a machine without CUDA, naming the run's device;
 * end to end: the example with its model cast to bf16, and the example inside
-  ``torch.autocast``, score with their audit passed (``tests/precision_bundles``), their held-out
+  ``torch.autocast``, score with their audit passed (the example's variants, ``bench/variants.py``), their held-out
   scores the trained model's own dtypes, and ``prism verify`` passes on both.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -32,7 +33,9 @@ from prism_challenge.scoringprecision import scoring_autocast, scoring_record
 
 from helpers import EXAMPLE, REPO
 
-BUNDLES = REPO / "tests" / "precision_bundles"
+sys.path.insert(0, str(REPO / "bench"))
+from variants import write_variant  # noqa: E402
+
 V = 300
 
 
@@ -285,13 +288,13 @@ def _verifies(run_dir, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype, scoring", [
-    ("bf16_cast", torch.bfloat16, "fp32"), ("autocast_loop", torch.float32, "fp32"),
-    ("autocast_loop", torch.float32, "bf16")])  # bf16: prism-v2's scoring precision, inside the loop's autocast
+    ("bf16-cast", torch.bfloat16, "fp32"), ("autocast-loop", torch.float32, "fp32"),
+    ("autocast-loop", torch.float32, "bf16")])  # bf16: prism-v2's scoring precision, inside the loop's autocast
 def test_a_mixed_precision_loop_scores_with_its_audit_passed_and_verifies(tmp_path, capsys, name, dtype, scoring):
     from prism_challenge.cli import main as prism
 
     run_dir = tmp_path / "run"
-    m = _eval(BUNDLES / name, run_dir, scoring)
+    m = _eval(write_variant(name, tmp_path / name), run_dir, scoring)
     v, audit = m["verdict"], m["audit"]
     assert v["flags"] == [] and v["final_score"] > 0 and v["heldout_error"] is None, (v["flags"], v["heldout_error"])
     assert audit["passed"] and audit["mismatch"] is None and audit["error"] is None and len(audit["batches"]) >= 5
