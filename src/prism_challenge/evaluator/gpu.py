@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prism_challenge.evaluator.outputcap import dropped_note
+
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Finished, Jail
 
@@ -185,7 +187,8 @@ def parse_check(done: Finished) -> dict[str, Any]:
     if isinstance(reply, dict) and isinstance(reply.get("error"), str):
         raise CudaCheckError(reply["error"][:ERROR_LINE_CHARS])
     tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-    raise CudaCheckError(f"{done.failure or 'no result'}: {tail[0][:ERROR_LINE_CHARS]}".rstrip(": "))
+    note = f" {dropped_note(done.stderr_dropped, done.stderr_dropped + len(done.stderr))}" if done.stderr_dropped else ""
+    raise CudaCheckError(f"{done.failure or 'no result'}:{note} {tail[0][:ERROR_LINE_CHARS]}".rstrip(": "))
 
 
 @dataclass

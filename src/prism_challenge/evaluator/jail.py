@@ -48,6 +48,7 @@ from prism_challenge.evaluator.isolation import (
 )
 from prism_challenge.evaluator.envpolicy import sandbox_env
 from prism_challenge.evaluator.launcher import compute_env
+from prism_challenge.evaluator.outputcap import Captured, collect, drains, feed
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
@@ -182,10 +183,12 @@ class Finished:
 
     Attributes:
         returncode: the exit status, ``-N`` for signal ``N``.
-        stdout, stderr: what it wrote (bytes).
+        stdout, stderr: the last bytes it wrote (:mod:`~prism_challenge.evaluator.outputcap`: at
+            most ``RESULT_BYTES`` and ``TAIL_BYTES``).
         timed_out: the deadline passed and the group was killed.
         failure: :func:`diagnose`'s line, or ``None`` for exit status 0.
         refusal: the audit hook's parsed refusal, when it stopped the child.
+        stdout_dropped, stderr_dropped: the bytes written before the kept ones, not kept.
     """
 
     returncode: int
@@ -194,6 +197,12 @@ class Finished:
     timed_out: bool
     failure: str | None
     refusal: dict[str, Any] | None
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+
+    def stderr_tail(self, lines: int) -> str:
+        """The last ``lines`` lines of stderr, after a line saying how many bytes were dropped, if any."""
+        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).text(lines)
 
 
 @dataclass(frozen=True)
@@ -426,30 +435,39 @@ class Jail:
         seconds from now (then its whole group is killed); never raises for its own failure."""
         proc, group = started.proc, started.group
         timed_out = False
+        pipes = drains(proc)  # bounded: the parent keeps a fixed tail of each (outputcap)
+        feed(proc, input)
         try:
-            out, err = proc.communicate(input, timeout=max(0.0, timeout_s))
+            proc.wait(timeout=max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
             timed_out = True
             kill_group(proc)
-            out, err = proc.communicate()
+            proc.wait()
         except BaseException:
             kill_group(proc)
-            proc.communicate()
+            proc.wait()
+            collect(pipes)
             raise
         finally:
             oom = group is not None and group.oom_killed()
             self._release(group)
+        out, err = collect(pipes)
+        kept = {"stdout_dropped": out.dropped, "stderr_dropped": err.dropped}
         if timed_out:
-            return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
+            return Finished(proc.returncode, out.tail, err.tail, True, f"timeout: no result within {timeout_s:g} s",
+                            None, **kept)
         if proc.returncode == 0:
-            return Finished(0, out, err, False, None, None)
-        failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
-        return Finished(proc.returncode, out, err, False, failure, refusal)
+            return Finished(0, out.tail, err.tail, False, None, None, **kept)
+        failure, refusal = diagnose(proc.returncode, err.tail.decode(errors="replace"), self.limits, oom=oom)
+        return Finished(proc.returncode, out.tail, err.tail, False, failure, refusal, **kept)
 
     def abandon(self, started: Started) -> None:
         """Kill a :meth:`start`-ed child that will not be fed (an earlier child failed) and reap it."""
         kill_group(started.proc)
-        started.proc.communicate()
+        started.proc.wait()
+        if started.proc.stdin is not None:
+            started.proc.stdin.close()
+        collect(drains(started.proc))
         self._release(started.group)
 
     def _release(self, group: MemoryCgroup | None) -> None:

@@ -1,0 +1,115 @@
+"""Bounded output (evaluator/outputcap.py): a child that prints hundreds of MB costs the parent a
+fixed tail, the bytes dropped are counted exactly, the harness's reply on stdout stays intact,
+and the ranks' log is capped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from prism_challenge.evaluator.isolation import Limits
+from prism_challenge.evaluator.jail import Finished, Jail
+from prism_challenge.evaluator.outputcap import LOG_BYTES, RESULT_BYTES, TAIL_BYTES, Drain, dropped_note, gap_note
+
+MB = 1 << 20
+FLOOD_MB = 300
+
+
+def flood_code(stream: str, mb: int, reply: str = "") -> str:
+    """A child writing ``mb`` MiB of 'x' (the last byte of each MiB a newline) on ``stream``, then
+    'END' on stderr, then ``reply`` on stdout."""
+    return textwrap.dedent(f"""
+        import os, sys
+        line = b"x" * ({MB} - 1) + b"\\n"
+        fd = 1 if {stream!r} == "stdout" else 2
+        for _ in range({mb}):
+            os.write(fd, line)
+        os.write(2, b"END\\n")
+        os.write(1, {reply.encode()!r})
+    """)
+
+
+def test_a_drain_keeps_the_last_cap_bytes_and_counts_the_rest_exactly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", flood_code("stderr", 40)], stderr=subprocess.PIPE)
+    drain = Drain(proc.stderr, TAIL_BYTES)
+    proc.wait()
+    got = drain.result()
+    total = 40 * MB + 4  # 40 lines of 1 MiB, then "END\n"
+    assert got.total == total and len(got.tail) == TAIL_BYTES and got.dropped == total - TAIL_BYTES
+    assert got.tail == (b"x" * (MB - 1) + b"\n")[4:] + b"END\n"  # exactly the last MiB
+    text = got.text(2)
+    assert text.splitlines()[0] == dropped_note(total - TAIL_BYTES, total)
+    assert text.endswith("\nEND") and f"the first {total - TAIL_BYTES:,} were dropped" in text
+
+
+def test_the_ranks_log_keeps_its_head_a_note_of_the_gap_and_the_tail(tmp_path):
+    log = tmp_path / "runner.log"
+    mb = LOG_BYTES // MB + 8
+    proc = subprocess.Popen([sys.executable, "-c", flood_code("stdout", mb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    drain = Drain(proc.stdout, TAIL_BYTES, log=open(log, "wb"))
+    proc.wait()
+    got = drain.result()
+    total = mb * MB + 4
+    note = f"\n{gap_note(total - TAIL_BYTES - LOG_BYTES, total)}\n".encode()
+    assert got.total == total and log.stat().st_size == LOG_BYTES + len(note) + TAIL_BYTES
+    with open(log, "rb") as f:
+        f.seek(LOG_BYTES)
+        assert f.read(len(note)) == note
+        assert f.read().endswith(b"x\nEND\n")
+
+
+def test_a_small_output_is_kept_whole_in_the_log(tmp_path):
+    log = tmp_path / "runner.log"
+    proc = subprocess.Popen([sys.executable, "-c", "print('hello'); import sys; print('err', file=sys.stderr)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    drain = Drain(proc.stdout, TAIL_BYTES, log=open(log, "wb"))
+    proc.wait()
+    assert drain.result().dropped == 0 and sorted(log.read_text().split()) == ["err", "hello"]
+
+
+def test_a_jailed_child_that_floods_both_streams_keeps_its_reply_and_a_clear_tail(tmp_path):
+    jail = Jail("none", str(tmp_path), (), Limits(), 1)
+    reply = json.dumps({"ok": True, "count": 7}) + "\n"
+    done = jail.run([sys.executable, "-c", flood_code("stderr", FLOOD_MB, reply)], input=b"", timeout_s=300)
+    assert (done.returncode, done.failure) == (0, None)
+    assert json.loads(done.stdout.decode().splitlines()[-1]) == {"ok": True, "count": 7}
+    total = FLOOD_MB * MB + 4
+    assert (len(done.stderr), done.stderr_dropped, done.stdout_dropped) == (TAIL_BYTES, total - TAIL_BYTES, 0)
+    assert done.stderr_tail(1) == f"{dropped_note(total - TAIL_BYTES, total)}\nEND"
+    # the reply's own descriptor flooded (a submission that found it): bounded by RESULT_BYTES, last line intact
+    flood = jail.run([sys.executable, "-c", flood_code("stdout", RESULT_BYTES // MB + 4, reply)], timeout_s=300)
+    assert flood.stdout_dropped == (RESULT_BYTES // MB + 4) * MB + len(reply) - RESULT_BYTES
+    assert len(flood.stdout) == RESULT_BYTES and flood.stdout.endswith(reply.encode())
+
+
+def test_a_failing_childs_message_says_how_much_was_dropped():
+    done = Finished(1, b"", b"Traceback\nValueError: boom\n", False, "crash: the process ended (exit status 1)",
+                    None, 0, 5_000_000)
+    assert done.stderr_tail(1) == f"{dropped_note(5_000_000, 5_000_000 + 27)}\nValueError: boom"
+
+
+def test_the_parents_peak_memory_stays_flat_while_a_child_prints_300_mb(tmp_path):
+    # in a fresh interpreter: its peak RSS after the child printed 300 MB (on stderr) and 70 MB
+    # (on stdout) is within twice the caps of its peak before; communicate() kept all of it (370 MB)
+    script = textwrap.dedent(f"""
+        import resource, sys
+        sys.path[:0] = {sys.path!r}
+        from prism_challenge.evaluator.isolation import Limits
+        from prism_challenge.evaluator.jail import Jail
+        code = sys.argv[1]
+        jail = Jail("none", {str(tmp_path)!r}, (), Limits(), 1)
+        jail.run([sys.executable, "-c", "print(1)"], timeout_s=60)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        done = jail.run([sys.executable, "-c", code], timeout_s=300)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(before, after, done.stderr_dropped + len(done.stderr), done.stdout_dropped + len(done.stdout))
+    """)
+    code = flood_code("stderr", FLOOD_MB) + "\nfor _ in range(70): os.write(1, b'y' * (%d - 1) + b'\\n')\n" % MB
+    out = subprocess.run([sys.executable, "-c", script, code], capture_output=True, text=True, timeout=600, check=True)
+    before, after, err_total, out_total = map(int, out.stdout.split())
+    assert (err_total, out_total) == (FLOOD_MB * MB + 4, 70 * MB)
+    bound = 2 * (TAIL_BYTES + RESULT_BYTES) + 32 * MB  # each stream: its cap and a chunk, then a copy of the tail
+    assert (after - before) * 1024 < bound < err_total + out_total
