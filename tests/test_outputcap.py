@@ -8,6 +8,10 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
+
+import numpy as np
+import pytest
 
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.jail import Finished, Jail
@@ -113,3 +117,54 @@ def test_the_parents_peak_memory_stays_flat_while_a_child_prints_300_mb(tmp_path
     assert (err_total, out_total) == (FLOOD_MB * MB + 4, 70 * MB)
     bound = 2 * (TAIL_BYTES + RESULT_BYTES) + 32 * MB  # each stream: its cap and a chunk, then a copy of the tail
     assert (after - before) * 1024 < bound < err_total + out_total
+
+
+# -- each child's failure message names the bytes dropped -------------------------------------
+DROPPED = 5_000_000
+CRASHED = Finished(-9, b"", b"Traceback\nValueError: boom\n", False, "crash: the process ended (signal SIGKILL)",
+                   None, 0, DROPPED)
+NOTE = dropped_note(DROPPED, DROPPED + len(CRASHED.stderr))
+
+
+class _Jail:
+    """A jail whose every child ended as :data:`CRASHED`."""
+
+    hidden: tuple = ()
+
+    def run(self, *args, **kw):
+        return CRASHED
+
+
+def test_the_parameter_childs_failure_names_the_bytes_dropped(tmp_path):
+    from prism_challenge.gates.param_count import measure_parameters
+
+    got = measure_parameters(tmp_path, "architecture", "build_model", vocab_size=257, seq_len=8,
+                             max_parameters=10, tokenizer="bytes", jail=_Jail())
+    assert got.count is None and got.kind == "crash"
+    assert got.error == f"crash: the process ended (signal SIGKILL) without a result: {NOTE} Traceback ValueError: boom"
+
+
+def test_the_held_out_childs_failure_names_the_bytes_dropped():
+    from prism_challenge.heldout import HeldoutError, _run_child
+
+    with pytest.raises(HeldoutError) as caught:
+        _run_child(_Jail(), {}, [np.zeros((1, 2), dtype=np.int64)], b"", time.monotonic() + 60, 60)
+    assert str(caught.value) == f"crash: the process ended (signal SIGKILL) and no result\n{NOTE}\nTraceback\nValueError: boom"
+
+
+def test_the_audit_childrens_failure_names_the_bytes_dropped():
+    from prism_challenge.rescore import AuditError, _reply
+
+    for mode in ("rescore", "blind"):
+        with pytest.raises(AuditError) as caught:
+            _reply(CRASHED, mode)
+        assert str(caught.value) == (f"crash: the process ended (signal SIGKILL) in the {mode} process\n{NOTE}\n"
+                                     "Traceback\nValueError: boom")
+
+
+def test_the_cuda_checks_failure_names_the_bytes_dropped():
+    from prism_challenge.evaluator.gpu import CudaCheckError, parse_check
+
+    with pytest.raises(CudaCheckError) as caught:
+        parse_check(CRASHED)
+    assert str(caught.value) == f"crash: the process ended (signal SIGKILL): {NOTE} ValueError: boom"
