@@ -1,41 +1,43 @@
 import os
-import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 
 LEFTOVER_PREFIX = "prism"
-"""What PRISM names its temporary folders and files (prism-bundle-, prism-params-, prism-eval-...)."""
+"""What PRISM names its temporary folders (prism-bundle-, prism-params-, prism-eval-...)."""
+_made: list[str] = []  # every prism-* folder made by tempfile.mkdtemp in this test process
 
 
 def pytest_configure(config):
-    """One temporary folder for this session (``TMPDIR`` and ``tempfile.tempdir``), so that what
-    this session's tests and the processes they start leave behind can be told apart from other
-    sessions' on a shared ``/tmp`` (:func:`pytest_sessionfinish` checks it). pytest's own
-    ``tmp_path`` folders stay where they were (``PYTEST_DEBUG_TEMPROOT``)."""
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller's folder is inherited
-        return
-    root = tempfile.gettempdir()
-    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)
-    config._prism_tmp = tempfile.mkdtemp(prefix="pytest-prism-tmp-", dir=root)
-    os.environ["TMPDIR"] = tempfile.tempdir = config._prism_tmp
+    """Record every temporary folder this session's process makes under a PRISM name
+    (``tempfile.mkdtemp``, which ``TemporaryDirectory`` uses too), for :func:`pytest_sessionfinish`:
+    exact paths, so that other sessions sharing ``/tmp`` are never blamed. ``TMPDIR`` is left
+    alone: the audit hook's policy reads ``tempfile.gettempdir()``."""
+    real = tempfile.mkdtemp
+
+    def recording(suffix=None, prefix=None, dir=None):
+        path = real(suffix, prefix, dir)
+        if os.path.basename(os.fsdecode(path)).startswith(LEFTOVER_PREFIX):
+            _made.append(os.fsdecode(path))
+        return path
+
+    tempfile.mkdtemp = recording
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the session if anything of PRISM's was left in its temporary folder (issue 27: the
-    tests leave nothing behind), naming each; then remove the folder."""
-    tmp = getattr(session.config, "_prism_tmp", None)
-    if tmp is None:
-        return
+    """Fail the session if a PRISM temporary folder this process made is still there (issue 27:
+    the tests leave nothing behind), naming each; then remove them."""
+    import gc
+
     from prism_challenge.frozen import remove_tree
 
-    left = sorted(p.name for p in Path(tmp).iterdir() if p.name.startswith(LEFTOVER_PREFIX))
-    remove_tree(tmp)
-    shutil.rmtree(tmp, ignore_errors=True)
+    gc.collect()  # a gate report no test holds any more takes its frozen copy with it (GateReport.own)
+    left = [p for p in _made if os.path.lexists(p)]
+    for path in left:
+        remove_tree(path)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        line = f"PRISM left {len(left)} temporary path(s) behind: {', '.join(left[:20])}"
+        line = f"PRISM left {len(left)} temporary folder(s) behind: {', '.join(left[:10])}"
         if reporter is not None:
             reporter.write_sep("=", line, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
