@@ -90,7 +90,8 @@ def main() -> int:
             got = json.loads(run.stdout.strip().splitlines()[-1])
             peak, printed = got["peak_rss_bytes"], got["printed_bytes"]
             print(f"{how}: ok={got['ok']} parent peak RSS {peak / MB:,.0f} MiB; the {got['children']} "
-                  f"children (the ranks' tree counts as one) printed {printed / MB:,.0f} MiB (ratio {peak / max(printed, 1):.3f}); "
+                  f"children (the ranks' tree counts as one) printed {printed / MB:,.0f} MiB "
+                  f"(ratio {peak / max(printed, 1):.3f}); "
                   f"runner.log {got['runner_log_bytes'] / MB:,.1f} MiB; under 1 GiB: {peak < 1 << 30}")
     return 0
 

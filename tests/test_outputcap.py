@@ -149,7 +149,8 @@ def test_the_held_out_childs_failure_names_the_bytes_dropped():
 
     with pytest.raises(HeldoutError) as caught:
         _run_child(_Jail(), {}, [np.zeros((1, 2), dtype=np.int64)], b"", time.monotonic() + 60, 60)
-    assert str(caught.value) == f"crash: the process ended (signal SIGKILL) and no result\n{NOTE}\nTraceback\nValueError: boom"
+    assert str(caught.value) == ("crash: the process ended (signal SIGKILL) and no result\n"
+                                 f"{NOTE}\nTraceback\nValueError: boom")
 
 
 def test_the_audit_childrens_failure_names_the_bytes_dropped():

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prism_challenge.evaluator.outputcap import dropped_note
-
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Finished, Jail
 
@@ -187,7 +185,7 @@ def parse_check(done: Finished) -> dict[str, Any]:
     if isinstance(reply, dict) and isinstance(reply.get("error"), str):
         raise CudaCheckError(reply["error"][:ERROR_LINE_CHARS])
     tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-    note = f" {dropped_note(done.stderr_dropped, done.stderr_dropped + len(done.stderr))}" if done.stderr_dropped else ""
+    note = f" {done.stderr_note}" if done.stderr_note else ""  # bytes dropped before the tail (outputcap)
     raise CudaCheckError(f"{done.failure or 'no result'}:{note} {tail[0][:ERROR_LINE_CHARS]}".rstrip(": "))
 
 

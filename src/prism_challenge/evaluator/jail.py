@@ -16,7 +16,9 @@ all get the same:
   ``RLIMIT_AS``, never above the host's memory (:func:`default_memory_limit`);
 * **death with the parent** (bubblewrap's ``--die-with-parent``, the unshare init's
   ``PR_SET_PDEATHSIG``, or the same request in ``preexec_fn`` without a sandbox), a session of
-  its own, and **one deadline with a group kill** (:meth:`Jail.run`).
+  its own, and **one deadline with a group kill** (:meth:`Jail.run`);
+* **bounded output** (:mod:`~prism_challenge.evaluator.outputcap`): the parent keeps a fixed tail
+  of what a bounded child prints, and counts the bytes it drops.
 
 A child that ended badly is classified by :func:`diagnose`: the audit hook's refusal (the event
 named), the memory limit, the task limit, or a plain crash.
@@ -199,6 +201,11 @@ class Finished:
     refusal: dict[str, Any] | None
     stdout_dropped: int = 0
     stderr_dropped: int = 0
+
+    @property
+    def stderr_note(self) -> str:
+        """:func:`~prism_challenge.evaluator.outputcap.dropped_note` for stderr, or ``""`` when nothing was dropped."""
+        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).note
 
     def stderr_tail(self, lines: int) -> str:
         """The last ``lines`` lines of stderr, after a line saying how many bytes were dropped, if any."""

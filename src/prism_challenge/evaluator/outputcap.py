@@ -8,7 +8,8 @@ only the last :data:`TAIL_BYTES` (the prints) or :data:`RESULT_BYTES` (the harne
 reply on stdout: the children move the submission's prints to stderr first), counting every
 byte it drops; the ranks' drain also writes the first :data:`LOG_BYTES` to their log file, then
 a line saying how many bytes were dropped, then the tail. The parent holds at most a cap and a
-chunk per stream (and a copy of the tail at the end), whatever the child prints (``bench/print_flood.py`` measures it).
+chunk per stream (and a copy of the tail at the end), whatever the child prints
+(``bench/print_flood.py`` measures it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ GRACE_S = 5.0
 
 def dropped_note(dropped: int, total: int) -> str:
     """The line that says output was dropped: ``dropped`` of ``total`` bytes (the first ones)."""
-    return f"[prism: the child printed {total:,} bytes; the first {dropped:,} were dropped, the last {total - dropped:,} follow]"
+    return (f"[prism: the child printed {total:,} bytes; the first {dropped:,} were dropped, "
+            f"the last {total - dropped:,} follow]")
 
 
 def gap_note(dropped: int, total: int) -> str:
@@ -57,10 +59,15 @@ class Captured:
         """Bytes read and not kept (the first ``total - len(tail)``)."""
         return self.total - len(self.tail)
 
+    @property
+    def note(self) -> str:
+        """:func:`dropped_note` when bytes were dropped, else ``""``."""
+        return dropped_note(self.dropped, self.total) if self.dropped else ""
+
     def text(self, lines: int) -> str:
-        """The last ``lines`` lines of the tail, decoded, after :func:`dropped_note` when bytes were dropped."""
+        """The last ``lines`` lines of the tail, decoded, after :attr:`note` when bytes were dropped."""
         body = "\n".join(self.tail.decode(errors="replace").rstrip().splitlines()[-lines:])
-        return f"{dropped_note(self.dropped, self.total)}\n{body}" if self.dropped else body
+        return f"{self.note}\n{body}" if self.dropped else body
 
 
 class Drain:
