@@ -15,7 +15,16 @@ import pytest
 
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.jail import Finished, Jail
-from prism_challenge.evaluator.outputcap import LOG_BYTES, RESULT_BYTES, TAIL_BYTES, Drain, dropped_note, gap_note
+from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, REFUSAL_TAG, find_refusal
+from prism_challenge.evaluator.outputcap import (
+    LOG_BYTES,
+    RESULT_BYTES,
+    TAIL_BYTES,
+    Drain,
+    dropped_note,
+    gap_note,
+    refusal_watch,
+)
 
 MB = 1 << 20
 FLOOD_MB = 300
@@ -63,6 +72,37 @@ def test_the_ranks_log_keeps_its_head_a_note_of_the_gap_and_the_tail(tmp_path):
         f.seek(LOG_BYTES)
         assert f.read(len(note)) == note
         assert f.read().endswith(b"x\nEND\n")
+
+
+REFUSAL = {"event": "os.system", "arg": "'true'", "rule": "prism:audit-no-process", "origin": "a.py:3"}
+
+
+def refusal_then_flood(mb: int) -> str:
+    """A child that prints a malformed refusal line, the hook's line, then ``mb`` MiB on stderr
+    (as a thread of the bundle could while the hook ends the process), then exits as the hook does."""
+    line = f"\n{REFUSAL_TAG} {json.dumps(REFUSAL)}\n"
+    return (f"import os\nos.write(2, b'{REFUSAL_TAG} not json\\n')\nos.write(2, {line!r}.encode())\n"
+            + flood_code("stderr", mb) + f"\nos._exit({AUDIT_EXIT_CODE})\n")
+
+
+def test_the_hooks_refusal_is_named_whatever_is_printed_after_it(tmp_path):
+    jail = Jail("none", str(tmp_path), (), Limits(), 1)
+    done = jail.run([sys.executable, "-c", refusal_then_flood(FLOOD_MB)], timeout_s=300)
+    assert done.stderr_dropped > FLOOD_MB * MB - TAIL_BYTES and REFUSAL_TAG.encode() not in done.stderr
+    assert done.refusal == REFUSAL
+    assert done.failure == "audit: the runtime audit hook refused os.system('true') [prism:audit-no-process] at a.py:3"
+
+
+def test_the_ranks_log_keeps_the_hooks_refusal_that_fell_in_its_gap(tmp_path):
+    log = tmp_path / "runner.log"
+    mb = LOG_BYTES // MB + 8
+    code = flood_code("stdout", LOG_BYTES // MB + 1) + refusal_then_flood(mb).replace("os.write(2", "os.write(1")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    drain = Drain(proc.stdout, TAIL_BYTES, log=open(log, "wb"), watch=refusal_watch())
+    proc.wait()
+    assert drain.result().dropped > mb * MB
+    text = log.read_text()
+    assert find_refusal(text) == REFUSAL and text.count(REFUSAL_TAG) == 1  # the malformed one fell in the gap
 
 
 def test_a_small_output_is_kept_whole_in_the_log(tmp_path):

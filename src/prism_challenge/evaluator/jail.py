@@ -50,7 +50,7 @@ from prism_challenge.evaluator.isolation import (
 )
 from prism_challenge.evaluator.envpolicy import sandbox_env
 from prism_challenge.evaluator.launcher import compute_env
-from prism_challenge.evaluator.outputcap import Captured, collect, drains, feed
+from prism_challenge.evaluator.outputcap import Captured, collect, drains, feed, refusal_watch
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
@@ -442,7 +442,8 @@ class Jail:
         seconds from now (then its whole group is killed); never raises for its own failure."""
         proc, group = started.proc, started.group
         timed_out = False
-        pipes = drains(proc)  # bounded: the parent keeps a fixed tail of each (outputcap)
+        watch = refusal_watch()  # the hook's refusal line, whatever is printed after it
+        pipes = drains(proc, watch)  # bounded: the parent keeps a fixed tail of each (outputcap)
         feed(proc, input)
         try:
             proc.wait(timeout=max(0.0, timeout_s))
@@ -465,7 +466,8 @@ class Jail:
                             None, **kept)
         if proc.returncode == 0:
             return Finished(0, out.tail, err.tail, False, None, None, **kept)
-        failure, refusal = diagnose(proc.returncode, err.tail.decode(errors="replace"), self.limits, oom=oom)
+        seen = (watch.line + b"\n" if watch.line is not None else b"") + err.tail
+        failure, refusal = diagnose(proc.returncode, seen.decode(errors="replace"), self.limits, oom=oom)
         return Finished(proc.returncode, out.tail, err.tail, False, failure, refusal, **kept)
 
     def abandon(self, started: Started) -> None:

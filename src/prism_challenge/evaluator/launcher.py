@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR, sandbox_env  # noqa: F401 - re-exported
 from prism_challenge.evaluator.gpuadmit import TRITON_CACHE_DIR
-from prism_challenge.evaluator.outputcap import GRACE_S, Drain, log_drain
+from prism_challenge.evaluator.outputcap import GRACE_S, Drain, log_drain, refusal_watch
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
@@ -223,4 +223,4 @@ def launch(
     except BaseException:
         log.close()
         raise
-    return Launched(proc, log_path, log_drain(proc, log))
+    return Launched(proc, log_path, log_drain(proc, log, refusal_watch()))

@@ -20,6 +20,7 @@ import subprocess
 import threading
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import IO, Any
 
 TAIL_BYTES = 1 << 20
@@ -30,6 +31,8 @@ blind probe's carries whole log-probability vectors, several MB); the submission
 stderr, so only a submission that wrote to the reply's descriptor itself comes near it."""
 LOG_BYTES = 16 << 20
 """The first bytes of the ranks' output written to their log file (``logs/runner.log``)."""
+LINE_BYTES = 8 << 10
+"""The longest line a :class:`Watch` reads."""
 CHUNK_BYTES = 1 << 16
 """One read from a child's pipe."""
 GRACE_S = 5.0
@@ -79,7 +82,8 @@ class Drain:
     """
 
     def __init__(self, stream: IO[bytes], cap: int = TAIL_BYTES, *, log: IO[bytes] | None = None,
-                 log_bytes: int = LOG_BYTES, name: str = "prism-drain"):
+                 log_bytes: int = LOG_BYTES, name: str = "prism-drain", watch: Watch | None = None):
+        self.watch = watch
         self.fd = stream.fileno()
         self.stream, self.cap, self.log, self.log_bytes = stream, cap, log, log_bytes
         self.chunks: deque[bytes] = deque()
@@ -100,6 +104,8 @@ class Drain:
                     break
                 if self.log is not None and self.total < self.log_bytes:
                     self.log.write(chunk[: self.log_bytes - self.total])
+                if self.watch is not None:
+                    self.watch.feed(chunk)
                 self.total += len(chunk)
                 self.chunks.append(chunk)
                 self.held += len(chunk)
@@ -119,6 +125,8 @@ class Drain:
                 start = self.total - len(tail)
                 if start > self.log_bytes:
                     self.log.write(f"\n{gap_note(start - self.log_bytes, self.total)}\n".encode())
+                    if self.watch is not None and self.watch.line is not None:  # the line it must not lose
+                        self.log.write(self.watch.line + b"\n")
                 self.log.write(tail[max(0, self.log_bytes - start):])
             self.log.close()
         except OSError:
@@ -141,6 +149,40 @@ class Drain:
         """The last ``cap`` bytes read (fewer when fewer were read)."""
         kept = b"".join(self.chunks)
         return kept[len(kept) - self.cap:] if len(kept) > self.cap else kept
+
+
+class Watch:
+    """The first line of a stream that holds ``marker`` and that ``accept`` takes (the audit hook's
+    refusal line: :func:`~prism_challenge.evaluator.audit.find_refusal` reads the first one), kept
+    apart from the tail so that what a child prints after it cannot push it out. Lines longer
+    than :data:`LINE_BYTES` are not read (a refusal line is a few hundred bytes)."""
+
+    def __init__(self, marker: bytes, accept: Callable[[bytes], bool]):
+        self.marker, self.accept = marker, accept
+        self.line: bytes | None = None
+        self.partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Scan ``chunk`` (the next bytes of the stream) until the line is found."""
+        if self.line is not None:
+            return
+        data = self.partial + chunk
+        head, _, rest = data.rpartition(b"\n")
+        self.partial = rest if len(rest) <= LINE_BYTES else b""
+        if self.marker not in head:
+            return
+        for line in head.split(b"\n"):
+            if self.marker in line and len(line) <= LINE_BYTES and self.accept(line):
+                self.line = line
+                return
+
+
+def refusal_watch() -> Watch:
+    """A :class:`Watch` for the audit hook's refusal line (:data:`~prism_challenge.evaluator.audit.REFUSAL_TAG`,
+    the first well-formed one, as :func:`~prism_challenge.evaluator.audit.find_refusal` reads it)."""
+    from prism_challenge.evaluator.audit import REFUSAL_TAG, find_refusal
+
+    return Watch(REFUSAL_TAG.encode(), lambda line: find_refusal(line.decode(errors="replace")) is not None)
 
 
 def feed(proc: subprocess.Popen, data: bytes) -> threading.Thread | None:
@@ -166,11 +208,11 @@ def feed(proc: subprocess.Popen, data: bytes) -> threading.Thread | None:
     return thread
 
 
-def drains(proc: subprocess.Popen) -> tuple[Drain | None, Drain | None]:
+def drains(proc: subprocess.Popen, watch: Watch | None = None) -> tuple[Drain | None, Drain | None]:
     """A :class:`Drain` on ``proc``'s stdout (cap :data:`RESULT_BYTES`) and one on its stderr
-    (cap :data:`TAIL_BYTES`), for each that is a pipe."""
+    (cap :data:`TAIL_BYTES`, ``watch`` on it), for each that is a pipe."""
     out = Drain(proc.stdout, RESULT_BYTES, name="prism-drain-out") if proc.stdout is not None else None
-    err = Drain(proc.stderr, TAIL_BYTES, name="prism-drain-err") if proc.stderr is not None else None
+    err = Drain(proc.stderr, TAIL_BYTES, name="prism-drain-err", watch=watch) if proc.stderr is not None else None
     return out, err
 
 
@@ -180,8 +222,9 @@ def collect(pair: tuple[Drain | None, Drain | None], grace_s: float = GRACE_S) -
     return tuple(d.result(grace_s) if d is not None else empty for d in pair)  # type: ignore[return-value]
 
 
-def log_drain(proc: subprocess.Popen, log: Any) -> Drain:
+def log_drain(proc: subprocess.Popen, log: Any, watch: Watch | None = None) -> Drain:
     """A :class:`Drain` on ``proc``'s stdout (stderr joined to it) writing ``log`` (a path or a binary
-    file), capped at :data:`LOG_BYTES` plus :data:`TAIL_BYTES`."""
+    file), capped at :data:`LOG_BYTES` plus :data:`TAIL_BYTES`; the line ``watch`` finds is
+    written after the gap's note when it fell in the gap."""
     return Drain(proc.stdout, TAIL_BYTES, log=open(log, "wb") if isinstance(log, (str, os.PathLike)) else log,
-                 name="prism-drain-log")
+                 name="prism-drain-log", watch=watch)
