@@ -5,6 +5,7 @@ and the ranks' log is capped."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -209,3 +210,24 @@ def test_the_cuda_checks_failure_names_the_bytes_dropped():
     with pytest.raises(CudaCheckError) as caught:
         parse_check(CRASHED)
     assert str(caught.value) == f"crash: the process ended (signal SIGKILL): {NOTE} ValueError: boom"
+
+
+def test_a_pipe_past_fd_setsize_is_still_drained(tmp_path):
+    # a service holds many descriptors: select() refuses one past 1024, poll() does not
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        done = Jail("none", str(tmp_path), (), Limits(), 1).run(
+            [sys.executable, "-c", flood_code("stderr", 3, '{"ok": true}\n')], timeout_s=60)
+        assert (done.returncode, done.stdout, done.stderr_dropped) == (0, b'{"ok": true}\n', 3 * MB + 4 - TAIL_BYTES)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -94,10 +94,11 @@ class Drain:
         self.thread.start()
 
     def _run(self) -> None:
+        poller = select.poll()  # not select(): a service may hold descriptors past FD_SETSIZE
+        poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         try:
             while not self.stop.is_set():
-                ready, _, _ = select.select([self.fd], [], [], 0.5)
-                if not ready:
+                if not poller.poll(500):
                     continue
                 chunk = os.read(self.fd, CHUNK_BYTES)
                 if not chunk:
