@@ -231,3 +231,12 @@ def test_a_pipe_past_fd_setsize_is_still_drained(tmp_path):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_log_that_cannot_be_written_does_not_stop_the_drain():
+    # a full disk (/dev/full: every write fails with ENOSPC): the child is still drained to its end
+    proc = subprocess.Popen([sys.executable, "-c", flood_code("stdout", 40)], stdout=subprocess.PIPE)
+    drain = Drain(proc.stdout, TAIL_BYTES, log=open("/dev/full", "wb"))
+    assert proc.wait(timeout=120) == 0
+    got = drain.result()
+    assert drain.log_failed and got.total == 40 * MB and got.dropped == 40 * MB - TAIL_BYTES

@@ -86,8 +86,10 @@ class Drain:
         self.watch = watch
         self.fd = stream.fileno()
         self.stream, self.cap, self.log, self.log_bytes = stream, cap, log, log_bytes
+        self.log_failed = False
         self.chunks: deque[bytes] = deque()
         self.held = 0  # bytes in chunks
+        self.watch_in = (0, 0)  # the stream offsets the watched line lies between
         self.total = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -104,9 +106,11 @@ class Drain:
                 if not chunk:
                     break
                 if self.log is not None and self.total < self.log_bytes:
-                    self.log.write(chunk[: self.log_bytes - self.total])
-                if self.watch is not None:
+                    self._write(chunk[: self.log_bytes - self.total])
+                if self.watch is not None and self.watch.line is None:
                     self.watch.feed(chunk)
+                    if self.watch.line is not None:
+                        self.watch_in = (self.total - LINE_BYTES, self.total + len(chunk))  # where it lies
                 self.total += len(chunk)
                 self.chunks.append(chunk)
                 self.held += len(chunk)
@@ -125,13 +129,24 @@ class Drain:
                 tail = self._tail()
                 start = self.total - len(tail)
                 if start > self.log_bytes:
-                    self.log.write(f"\n{gap_note(start - self.log_bytes, self.total)}\n".encode())
-                    if self.watch is not None and self.watch.line is not None:  # the line it must not lose
-                        self.log.write(self.watch.line + b"\n")
-                self.log.write(tail[max(0, self.log_bytes - start):])
+                    self._write(f"\n{gap_note(start - self.log_bytes, self.total)}\n".encode())
+                    low, high = self.watch_in
+                    if self.watch is not None and self.watch.line is not None and high > self.log_bytes \
+                            and low < start:  # the line it must not lose may have fallen in the gap
+                        self._write(self.watch.line + b"\n")
+                self._write(tail[max(0, self.log_bytes - start):])
             self.log.close()
         except OSError:
             pass
+
+    def _write(self, data: bytes) -> None:
+        """Write to the log; a log that cannot be written (a full disk) is given up, the pipe is still drained."""
+        if self.log is None or self.log_failed:
+            return
+        try:
+            self.log.write(data)
+        except (OSError, ValueError):
+            self.log_failed = True
 
     def result(self, grace_s: float = GRACE_S) -> Captured:
         """Wait up to ``grace_s`` seconds for the end of the stream (a grandchild may hold it open),
