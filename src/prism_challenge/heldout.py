@@ -573,7 +573,7 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
         raise HeldoutError(f"timeout: the held-out evaluation ran past its limit of {timeout_s:g} s")
     if done.refusal is not None:  # the hook's line, whatever the child printed after it
         raise HeldoutError(f"contract: {done.failure.partition(': ')[2]}")
-    tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    tail = done.stderr_tail(STDERR_TAIL_LINES)  # after a note of the bytes dropped, if any (outputcap)
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     reply: dict[str, Any] | None = None
     if lines:

@@ -530,6 +530,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         harness_killed = proc.poll() is None
         if harness_killed:
             proc.kill()
+        proc.close_log()  # the ranks' last output, the log capped (outputcap)
         sandbox.guard.kill()
         sandbox.jail.close()
         result = feeder.finish()

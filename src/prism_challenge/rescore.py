@@ -332,7 +332,7 @@ def _reply(done: Any, mode: str) -> dict[str, Any]:
         raise AuditError(f"timeout: the {mode} process ran past the audit's time limit")
     if done.refusal is not None:
         raise AuditError(f"contract: {done.failure.partition(': ')[2]}", by_submission=True)
-    tail = "\n".join(done.stderr.decode(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    tail = done.stderr_tail(STDERR_TAIL_LINES)  # after a note of the bytes dropped, if any (outputcap)
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     try:
         reply = json.loads(lines[-1]) if lines else None

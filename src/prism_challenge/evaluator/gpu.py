@@ -185,7 +185,8 @@ def parse_check(done: Finished) -> dict[str, Any]:
     if isinstance(reply, dict) and isinstance(reply.get("error"), str):
         raise CudaCheckError(reply["error"][:ERROR_LINE_CHARS])
     tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-    raise CudaCheckError(f"{done.failure or 'no result'}: {tail[0][:ERROR_LINE_CHARS]}".rstrip(": "))
+    note = f" {done.stderr_note}" if done.stderr_note else ""  # bytes dropped before the tail (outputcap)
+    raise CudaCheckError(f"{done.failure or 'no result'}:{note} {tail[0][:ERROR_LINE_CHARS]}".rstrip(": "))
 
 
 @dataclass

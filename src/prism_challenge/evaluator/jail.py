@@ -16,7 +16,9 @@ all get the same:
   ``RLIMIT_AS``, never above the host's memory (:func:`default_memory_limit`);
 * **death with the parent** (bubblewrap's ``--die-with-parent``, the unshare init's
   ``PR_SET_PDEATHSIG``, or the same request in ``preexec_fn`` without a sandbox), a session of
-  its own, and **one deadline with a group kill** (:meth:`Jail.run`).
+  its own, and **one deadline with a group kill** (:meth:`Jail.run`);
+* **bounded output** (:mod:`~prism_challenge.evaluator.outputcap`): the parent keeps a fixed tail
+  of what a bounded child prints, and counts the bytes it drops.
 
 A child that ended badly is classified by :func:`diagnose`: the audit hook's refusal (the event
 named), the memory limit, the task limit, or a plain crash.
@@ -49,6 +51,7 @@ from prism_challenge.evaluator.isolation import (
 from prism_challenge.evaluator import sabotage
 from prism_challenge.evaluator.envpolicy import sandbox_env
 from prism_challenge.evaluator.launcher import compute_env
+from prism_challenge.evaluator.outputcap import Captured, collect, drains, feed, refusal_watch
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
@@ -183,10 +186,12 @@ class Finished:
 
     Attributes:
         returncode: the exit status, ``-N`` for signal ``N``.
-        stdout, stderr: what it wrote (bytes).
+        stdout, stderr: the last bytes it wrote (:mod:`~prism_challenge.evaluator.outputcap`: at
+            most ``RESULT_BYTES`` and ``TAIL_BYTES``).
         timed_out: the deadline passed and the group was killed.
         failure: :func:`diagnose`'s line, or ``None`` for exit status 0.
         refusal: the audit hook's parsed refusal, when it stopped the child.
+        stdout_dropped, stderr_dropped: the bytes written before the kept ones, not kept.
     """
 
     returncode: int
@@ -195,6 +200,17 @@ class Finished:
     timed_out: bool
     failure: str | None
     refusal: dict[str, Any] | None
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+
+    @property
+    def stderr_note(self) -> str:
+        """:func:`~prism_challenge.evaluator.outputcap.dropped_note` for stderr, or ``""`` when nothing was dropped."""
+        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).note
+
+    def stderr_tail(self, lines: int) -> str:
+        """The last ``lines`` lines of stderr, after a line saying how many bytes were dropped, if any."""
+        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).text(lines)
 
 
 @dataclass(frozen=True)
@@ -433,35 +449,49 @@ class Jail:
         """
         proc, group = started.proc, started.group
         timed_out = False
-        feeder = None if isinstance(input, (bytes, bytearray, memoryview)) else stream_input(proc, input)
+        watch = refusal_watch()  # the hook's refusal line, whatever is printed after it
+        pipes = drains(proc, watch)  # bounded: the parent keeps a fixed tail of each (outputcap)
+        feeder = None
+        if isinstance(input, (bytes, bytearray, memoryview)):
+            feed(proc, bytes(input))
+        else:
+            feeder = stream_input(proc, input)
         try:
-            out, err = proc.communicate(input if feeder is None else None, timeout=max(0.0, timeout_s))
+            proc.wait(timeout=max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
             timed_out = True
             kill_group(proc)
-            out, err = proc.communicate()
+            proc.wait()
         except BaseException:
             kill_group(proc)
-            proc.communicate()
+            proc.wait()
+            collect(pipes)
             raise
         finally:
             oom = group is not None and group.oom_killed()
             self._release(group)
             if feeder is not None:
                 feeder.join()
+        out, err = collect(pipes)
+        kept = {"stdout_dropped": out.dropped, "stderr_dropped": err.dropped}
         if feeder is not None and feeder.error is not None:
             raise feeder.error
         if timed_out:
-            return Finished(proc.returncode, out, err, True, f"timeout: no result within {timeout_s:g} s", None)
+            return Finished(proc.returncode, out.tail, err.tail, True, f"timeout: no result within {timeout_s:g} s",
+                            None, **kept)
         if proc.returncode == 0:
-            return Finished(0, out, err, False, None, None)
-        failure, refusal = diagnose(proc.returncode, err.decode(errors="replace"), self.limits, oom=oom)
-        return Finished(proc.returncode, out, err, False, failure, refusal)
+            return Finished(0, out.tail, err.tail, False, None, None, **kept)
+        seen = (watch.line + b"\n" if watch.line is not None else b"") + err.tail
+        failure, refusal = diagnose(proc.returncode, seen.decode(errors="replace"), self.limits, oom=oom)
+        return Finished(proc.returncode, out.tail, err.tail, False, failure, refusal, **kept)
 
     def abandon(self, started: Started) -> None:
         """Kill a :meth:`start`-ed child that will not be fed (an earlier child failed) and reap it."""
         kill_group(started.proc)
-        started.proc.communicate()
+        started.proc.wait()
+        if started.proc.stdin is not None:
+            started.proc.stdin.close()
+        collect(drains(started.proc))
         self._release(started.group)
 
     def _release(self, group: MemoryCgroup | None) -> None:
@@ -560,8 +590,8 @@ class _Streamer(threading.Thread):
 
 
 def stream_input(proc: subprocess.Popen, blocks: Iterable[bytes]) -> _Streamer:
-    """Start writing ``blocks`` to ``proc``'s stdin on a thread (taken from ``proc``, so
-    ``communicate`` only reads); the thread's ``error`` holds an ``OSError`` the iterable raised."""
+    """Start writing ``blocks`` to ``proc``'s stdin on a thread (taken from ``proc``: nothing
+    else writes to it); the thread's ``error`` holds an ``OSError`` the iterable raised."""
     pipe, proc.stdin = proc.stdin, None
     streamer = _Streamer(pipe, blocks)
     streamer.start()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from prism_challenge.evaluator.envpolicy import RENDEZVOUS_ADDR, sandbox_env  # noqa: F401 - re-exported
 from prism_challenge.evaluator.gpuadmit import TRITON_CACHE_DIR
+from prism_challenge.evaluator.outputcap import GRACE_S, Drain, log_drain, refusal_watch
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
@@ -154,6 +155,14 @@ class Launched:
 
     proc: subprocess.Popen
     log_path: Path
+    drain: Drain | None = None
+
+    def close_log(self, grace_s: float = GRACE_S) -> None:
+        """Wait (at most ``grace_s`` seconds after the tree ended) for the ranks' last output and
+        close the log: its first ``LOG_BYTES``, a note of the bytes dropped, its last ``TAIL_BYTES``
+        (:mod:`~prism_challenge.evaluator.outputcap`). Call once the launcher ended."""
+        if self.drain is not None:
+            self.drain.result(grace_s)
 
     def poll(self) -> int | None:
         """Exit code of the launcher (torchrun, or the single-rank agent), or ``None`` while it runs."""
@@ -172,6 +181,7 @@ class Launched:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
+        self.close_log()
 
 
 def launch(
@@ -190,7 +200,8 @@ def launch(
     Args:
         nproc: ranks on this node (1..8).
         env_extra: variables for the runner (feeder socket and token).
-        log_path: file that receives the children's stdout and stderr.
+        log_path: file that receives the children's stdout and stderr, capped
+            (:func:`~prism_challenge.evaluator.outputcap.log_drain`).
         jail: the run's jail: its sandbox, environment policy and limits.
         cwd: working directory of the children (the run's artifacts directory, the one
             writable directory).
@@ -206,9 +217,10 @@ def launch(
     env = {**env_extra, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(log_path.with_suffix(".error.json"))}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    try:
-        proc = jail.popen(cmd, writable=[cwd], socket_dir=socket_dir, env=env, cwd=cwd, stdout=log,
+    try:  # through a pipe: the log and the parent's memory stay bounded whatever the ranks print
+        proc = jail.popen(cmd, writable=[cwd], socket_dir=socket_dir, env=env, cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT)
-    finally:
+    except BaseException:
         log.close()
-    return Launched(proc, log_path)
+        raise
+    return Launched(proc, log_path, log_drain(proc, log, refusal_watch()))

@@ -140,7 +140,7 @@ def run_gates(
     if report.bundle is None:
         frozen.remove()
     else:
-        report.extracted_dir = extracted
+        report.own(extracted)  # removed by cleanup(), or with the report at the latest
     return report
 
 

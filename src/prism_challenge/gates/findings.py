@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,16 @@ class GateReport:
     max_parameters: int | None = None
     extracted_dir: Path | None = field(default=None, repr=False)
     source: str | None = None
+    _removal: Any = field(default=None, repr=False, compare=False)  # weakref.finalize of extracted_dir
+
+    def own(self, extracted: Path) -> None:
+        """Hold ``extracted`` (the frozen copy) as :attr:`extracted_dir`: removed by :meth:`cleanup`,
+        or when the report is garbage-collected, or at interpreter exit, whichever comes first
+        (``weakref.finalize``): a caller that forgets :meth:`cleanup` leaves no folder behind."""
+        from prism_challenge.frozen import remove_tree
+
+        self.extracted_dir = extracted
+        self._removal = weakref.finalize(self, remove_tree, extracted)
 
     @property
     def shown_source(self) -> str | None:
@@ -91,11 +102,14 @@ class GateReport:
 
     def cleanup(self) -> None:
         """Remove the bundle's frozen copy (:func:`prism_challenge.frozen.freeze`)."""
-        if self.extracted_dir is not None:
+        if self._removal is not None:
+            self._removal()  # once: a finalizer that ran is dead
+            self._removal = None
+        elif self.extracted_dir is not None:
             from prism_challenge.frozen import remove_tree
 
             remove_tree(self.extracted_dir)
-            self.extracted_dir = None
+        self.extracted_dir = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: bundle (source, root, entrypoints, tokenizer, sha256) or ``None``,

@@ -544,6 +544,8 @@ def measure_parameters(
             detail = {}
     if not isinstance(detail, dict) or "ok" not in detail:
         tail = " ".join(done.stderr.decode("utf-8", "replace").split()[-30:])
+        if done.stderr_note:  # a bounded tail (outputcap): say how much came before it
+            tail = f"{done.stderr_note} {tail}"
         kind = (done.failure or "crash").partition(":")[0]
         return ParamResult(None, kind if kind in ("memory", "tasks") else "crash",
                            f"{done.failure or 'the child ended'} without a result: {tail}", seconds, {})
