@@ -26,6 +26,9 @@ from typing import Any
 import numpy as np
 
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL, SCHEDULE_RULE
+from prism_challenge.evaluator.snapfile import snapshot_dtypes
+from prism_challenge.evaluator.snapshots import snapshot_name
+from prism_challenge.evaluator.statedict import StateError
 from prism_challenge.rescore import AuditReport, child_argv, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
@@ -166,3 +169,19 @@ def apply(verdict: Any, report: AuditReport) -> Any:
     if report.passed:
         return verdict
     return dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0, flags=[*verdict.flags, "audit"])
+
+
+def twin_dtypes(run_dir: Path) -> dict[str, str] | None:
+    """The dtypes of the model that scored batch 0, by name: those of the audit's snapshot of step
+    0 (always audited; its record was re-scored from it), or ``None`` without one (no audit: the
+    twin keeps ``build_model``'s own dtypes). The held-out twin takes these, not the trained
+    model's: a dtype the loop changed after batch 0 must not reach the twin, which is the model
+    as it scored batch 0 (a twin cast to later dtypes never scored anything, and a forward can
+    turn that rounding into a twin as bad as it likes: a forged ``heldout_delta``)."""
+    path = run_dir / AUDIT_DIR / snapshot_name(0)
+    if not path.is_file():
+        return None
+    try:
+        return snapshot_dtypes(path)
+    except (StateError, OSError):
+        return None  # the audit names a bad snapshot; the twin keeps its own dtypes

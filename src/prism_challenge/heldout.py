@@ -7,8 +7,9 @@ harness, not the submission). This module then scores, in a separate bounded pro
 * the **trained** model: built the same way, then loaded from ``torch.load(state,
   weights_only=True)`` (tensors only: a planted pickle cannot run code), each tensor in its own
   dtype (:func:`~prism_challenge.evaluator.statedict.load_scored_state`: a model the loop cast to
-  bf16 is scored in bf16); the twin takes the trained model's dtypes
-  (:func:`~prism_challenge.evaluator.statedict.in_dtypes_of`);
+  bf16 is scored in bf16); the twin takes the dtypes of the model that scored batch 0, the
+  audit's snapshot of step 0 (:func:`~prism_challenge.evaluator.statedict.in_dtypes_of`; without
+  an audit, ``build_model``'s own);
 
 on the same rows of a deterministic byte-budget prefix of the ``val`` split
 (:func:`prism_challenge.data.stream.heldout_stream`: whole documents while their UTF-8 bytes
@@ -225,7 +226,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
     from prism_challenge.evaluator.interface import PrismContext, run_context
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
-    from prism_challenge.evaluator.statedict import in_dtypes_of, load_scored_state
+    from prism_challenge.evaluator.statedict import DTYPES, in_dtypes_of, load_scored_state
 
     device = start_cuda(str(config.get("device", "cpu")))  # CUDA starts before the hook is armed (cudainit)
     seed = int(config["seed"])
@@ -273,8 +274,9 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
             stage = "load"
             if name == "trained":  # each tensor in its own dtype: the trained model as it is
                 load_scored_state(model, sd)
-            else:  # the twin in the trained model's dtypes: the loop's model before its first step
-                in_dtypes_of(model, sd)
+            elif config.get("twin_dtypes"):  # the twin in the dtypes that scored batch 0 (pipeline.twin_dtypes)
+                in_dtypes_of(model, {k: torch.empty(0, dtype=DTYPES[v]) for k, v in config["twin_dtypes"].items()
+                                     if v in DTYPES})
             models[name] = (model.to(device), count)
         out: dict[str, Any] = {"batches": len(batches), "parameter_count": models["trained"][1]}
         stage = "score"
@@ -502,7 +504,8 @@ def run_heldout(
     child_config = {k: config[k] for k in ("bundle_root", "architecture", "seed", "vocab_size", "tokenizer",
                                            "sequence_length", "max_parameters")}
     child_config.update({"threads": int(config.get("threads", 1)), "device": str(config.get("device", "cpu")),
-                         "scoring_autocast": config.get("scoring_autocast"), "context": config.get("context")})
+                         "scoring_autocast": config.get("scoring_autocast"), "context": config.get("context"),
+                         "twin_dtypes": config.get("twin_dtypes")})
     if jail is None:
         jail = Jail("none", str(config["bundle_root"]), (str(config["data_dir"]),),
                     dataclasses.replace(HELDOUT_LIMITS, address_space_bytes=memory_bytes), child_config["threads"])

@@ -31,7 +31,15 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from prism_challenge import __version__
-from prism_challenge.auditstage import AUDIT_DIR, audit_run, child_config, drop_snapshots, empty_artifacts, keep_bundle
+from prism_challenge.auditstage import (
+    AUDIT_DIR,
+    audit_run,
+    child_config,
+    drop_snapshots,
+    empty_artifacts,
+    keep_bundle,
+    twin_dtypes,
+)
 from prism_challenge.auditstage import apply as apply_audit
 from prism_challenge.bundle import Bundle, BundleError, load_bundle
 from prism_challenge.certificate import CertificateError, load_private_key, sign_manifest, user_key, user_key_path
@@ -840,6 +848,7 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
         "batch_size": HELDOUT_BATCH,
         "seq_len": seq_len,
         "state_path": str(state_path),
+        "twin_dtypes": twin_dtypes(state_path.parent.parent),
     }
     if context is not None:
         config["context"] = context

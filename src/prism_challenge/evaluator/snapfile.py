@@ -166,6 +166,24 @@ def read_snapshot(data: np.ndarray) -> dict[str, torch.Tensor]:
     return out
 
 
+def snapshot_dtypes(path: str | os.PathLike[str]) -> dict[str, str]:
+    """``{name: dtype}`` of a snapshot file's tensors (``dtype`` a key of
+    :data:`~prism_challenge.evaluator.statedict.DTYPES`, e.g. ``"torch.bfloat16"``), read from its
+    index alone (the file is memory-mapped; no tensor is read).
+
+    Raises:
+        StateError: not a snapshot, or a malformed entry.
+        OSError: the file cannot be read.
+    """
+    entries, _ = _index(np.memmap(path, dtype=np.uint8, mode="r"))
+    out: dict[str, str] = {}
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and e[1] in DTYPES):
+            raise StateError("a snapshot file with a malformed index entry")
+        out[e[0]] = e[1]
+    return out
+
+
 def read_snapshot_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """:func:`read_snapshot` of a file on disk (its tensors own a copy of the file's bytes).
 
