@@ -116,3 +116,14 @@ def test_a_set_in_an_assert_message_is_refused_when_another_module_or_a_context_
     assert [(f.rule, f.file, f.line) for f in found] == [("prism:set-order", "architecture.py", 6)]
     swallow = "class Quiet:\n    def __enter__(self):\n        return self\n    def __exit__(self, *exc):\n        return True\n"
     assert findings(ASSERTED + swallow) == [("prism:set-order", 6)]
+
+
+@pytest.mark.parametrize("swallower", [
+    # red team F3: an error raised in a generator's finally as the generator is collected is ignored
+    "def g():\n    try:\n        yield 1\n    finally:\n        pass\n",
+    "def g(cm):\n    with cm:\n        yield 1\n",
+    "class K:\n    def __del__(self):\n        pass\n",
+])
+def test_a_set_in_an_assert_message_is_refused_where_python_ignores_what_is_raised(swallower):
+    assert ("prism:set-order", 6) in findings(ASSERTED + swallower)  # (a __del__ is refused on its own too)
+    assert findings(ASSERTED + "def g():\n    yield 1\n") == []  # a generator with nothing run at collection

@@ -142,8 +142,10 @@ class SetOrderChecks:
             for n in ast.walk(info.tree):
                 if isinstance(n, ast.ExceptHandler) and checker._may_catch_assertion(n.type):
                     return False
-                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in ("__exit__", "__aexit__"):
-                    return False  # a context manager of the bundle's sees the error, and may swallow it
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and (
+                        n.name in ("__exit__", "__aexit__", "__del__") or _finalizes_when_collected(n)):
+                    return False  # a context manager sees the error and may swallow it; one raised in a
+                    # __del__, or in a generator's finally run as it is collected, is ignored
         return True
 
     def _may_catch_assertion(self, kind: ast.AST | None) -> bool:
@@ -210,3 +212,12 @@ def _callee(func: ast.AST) -> str:
     if isinstance(func, ast.Attribute):
         return f".{func.attr}()"
     return "a call"
+
+
+def _finalizes_when_collected(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``fn`` is a generator with a ``finally`` or a ``with`` block: closed as it is
+    garbage-collected, it runs that code, and Python ignores (prints) what it raises there, so an
+    ``AssertionError`` there (or in anything it calls) does not end the run."""
+    nodes = list(ast.walk(fn))
+    return any(isinstance(n, ast.Yield | ast.YieldFrom) for n in nodes) and any(
+        (isinstance(n, ast.Try) and n.finalbody) or isinstance(n, ast.With | ast.AsyncWith) for n in nodes)
