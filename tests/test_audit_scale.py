@@ -231,3 +231,23 @@ def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(m
     assert calls == []
     rescore_child._warm_up("cuda")
     assert calls == ["init", ("set_device", 0), "device_count", ("empty", "cuda:0")]  # cudainit.start_cuda
+
+
+def test_a_full_trusted_disk_is_the_submissions_fault_only_past_the_float32_size_at_the_cap(tmp_path):
+    """Red team F2: a snapshot-write failure once earned every run a retry (under a new secret)."""
+    from prism_challenge.evaluator.feeder import SnapshotDiskError
+    from prism_challenge.failures import kind_of
+
+    cap = 16 * 1000  # the pipeline's cap: 16 bytes per element of a model at 1000 parameters
+    store = SnapshotStore(tmp_path / "audit", cap)
+    for step, dtype in ((0, torch.float32), (1, torch.float64)):
+        store.expect(step)
+        for head, payload in frames({"w": torch.zeros(1000, dtype=dtype)}):
+            store.add({**head, "step": step}, bytearray(payload))
+        store.end({"step": step, "tensors": 1}, AuditedStep(step))
+        # 4000 bytes of 4000 allowed after one float32 snapshot; 12000 of 8000 after a float64 one
+        assert (store.taken, store.total, store.outgrew_fp32()) == (step + 1, 4000 * (step + 1) + 4000 * step, step == 1)
+    full = OSError(28, "No space left on device")
+    assert (SnapshotDiskError(3, full, False).stage, SnapshotDiskError(3, full, True).stage) == ("storage", "resources")
+    assert (kind_of("storage"), kind_of("resources")) == ("infrastructure", "submission")
+    assert "more than 4 bytes per element" in str(SnapshotDiskError(3, full, True))

@@ -212,6 +212,20 @@ class StepRecord:
     ranks_reported: int = 0
 
 
+class SnapshotDiskError(Exception):
+    """The trusted side could not write an audited batch's snapshot. Its failure stage says whose
+    fault: ``resources`` (the submission's) when the run's snapshots outgrew the float32 size of
+    a model at the parameter cap (:meth:`SnapshotStore.outgrew_fp32`: a loop could otherwise fill
+    the disk on purpose, once it saw a cheated batch audited, to earn a retry under a new
+    secret), else ``storage`` (the host's, retried)."""
+
+    def __init__(self, step: int | None, exc: OSError, outgrown: bool):
+        self.stage = "resources" if outgrown else "storage"
+        why = (": its snapshots carry more than 4 bytes per element of a model at the parameter cap" if outgrown
+               else "")
+        super().__init__(f"the snapshot of audited batch {step} cannot be written: {exc}{why}")
+
+
 @dataclass
 class FeederResult:
     """What the trusted side measured. Counts are summed over ranks; nats in float64."""
@@ -459,6 +473,8 @@ class Feeder:
         except ProtocolError as exc:
             if st is not None and st.done is None and not self.failed.is_set() and not self.stopping.is_set():
                 self.fail("runner", f"rank {st.rank}: {exc}", rank=st.rank)
+        except SnapshotDiskError as exc:
+            self.fail(exc.stage, str(exc))
         except OSError:
             pass
         except Exception as exc:  # noqa: BLE001 - a trusted-side fault (data, tokenizer) fails the run
@@ -695,8 +711,8 @@ class Feeder:
             store.end(header, audited)
         except StateError as exc:
             raise ProtocolError(str(exc)) from None
-        except OSError as exc:  # the trusted side's disk: not the rank's fault, and never silent
-            raise RuntimeError(f"the snapshot of audited batch {store.expected} cannot be written: {exc}") from None
+        except OSError as exc:  # the trusted side's disk, never silent; whose fault: SnapshotDiskError
+            raise SnapshotDiskError(store.expected, exc, store.outgrew_fp32()) from None
 
     def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
         with self._lock:

@@ -74,6 +74,15 @@ class SnapshotStore:
         self._writer: SnapshotWriter | None = None
         self._names: set[str] = set()
         self._bytes = 0
+        self.taken = 0  # snapshots begun in this run
+        self.total = 0  # tensor bytes received in this run, all snapshots
+
+    def outgrew_fp32(self) -> bool:
+        """Whether this run's snapshots carry more than 4 bytes per element of a model at the
+        parameter cap each (``max_bytes`` is 16 bytes per element: float64 and the like): a
+        trusted disk that fills then was filled by the submission's choice of dtypes, not by
+        what an honest model at the cap needs, which the operator provisions."""
+        return self.total > self.taken * (self.max_bytes // 4)
 
     def expect(self, step: int) -> None:
         """Rank 0 was told that ``step`` is audited: its snapshot comes next.
@@ -84,6 +93,7 @@ class SnapshotStore:
         if self.expected is not None:
             raise StateError(f"the snapshot of audited batch {self.expected} did not end before batch {step}'s")
         self.expected, self._names, self._bytes = step, set(), 0
+        self.taken += 1
 
     def room(self) -> int:
         """Bytes the next SNAPSHOT frame may carry (0 when none is due)."""
@@ -99,6 +109,7 @@ class SnapshotStore:
         if self.expected is None or header.get("step") != self.expected:
             raise StateError(f"a snapshot tensor for batch {header.get('step')!r}, which was not audited now")
         self._bytes += len(payload) + len(str(header.get("name"))) + 64  # the index entry counts too
+        self.total += len(payload)
         if self._bytes > self.max_bytes:
             raise StateError(f"the snapshot of batch {self.expected} exceeds {self.max_bytes} bytes")
         name, dtype, shape = check_frame({k: header.get(k) for k in ("name", "dtype", "shape")}, payload)
