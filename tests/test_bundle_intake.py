@@ -23,6 +23,7 @@ from prism_challenge.bundle import (
     read_spec,
     readable_copy,
 )
+from prism_challenge.frozen import remove_tree
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-1m"
@@ -186,6 +187,7 @@ def test_a_private_directory_bundle_is_evaluated_from_a_readable_copy(tmp_path, 
                      **{p.name: 0o644 for p in EXAMPLE.iterdir()}}
     assert stat.S_IMODE(copied.stat().st_mode) == 0o755
     assert load_bundle(root).sha256 == load_bundle(src).sha256
+    remove_tree(copied)  # the caller's to remove (the pipeline's ExitStack does)
     # a world-readable bundle is used in place
     for p in src.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)

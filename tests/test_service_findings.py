@@ -79,8 +79,10 @@ def audit_error(**child) -> dict:
     """An audit section of an audit that could not run (``rescore._reply``'s error for ``child``)."""
     from prism_challenge.rescore import AuditError, _reply
 
-    done = NS(timed_out=False, refusal=None, failure=None, stderr=b"", stdout=b"")
-    done.__dict__.update(child)
+    from prism_challenge.evaluator.jail import Finished
+
+    done = Finished(**{"returncode": 1, "stdout": b"", "stderr": b"", "timed_out": False, "failure": None,
+                       "refusal": None, **child})
     with pytest.raises(AuditError) as caught:
         _reply(done, "rescore")
     return audit_section([], error=str(caught.value))

@@ -488,13 +488,17 @@ class _Policy:
 
     def in_site(self, path: str) -> str | None:
         """``path`` (resolved) relative to the site directory that holds it, with ``/``
-        separators; ``None`` when no site directory holds it, or it lies in a writable directory
-        or the bundle."""
+        separators; ``None`` when no site directory holds it, or it lies in the bundle or in a
+        writable directory inside the site directory."""
         real = os.path.realpath(path)
-        if _under(real, self.write + self.bundle):
-            return None  # what can be written is never the install's
+        if _under(real, self.bundle):
+            return None
         for root in self.site:
             if real.startswith(root):
+                if any(real.startswith(w) and not root.startswith(w) for w in self.write):
+                    return None  # a writable folder inside the install is never the install's
+                # (a site directory under a writable one, e.g. a venv under /tmp, is bound
+                # read-only in the sandbox: the install all the same)
                 return real[len(root):].replace(os.sep, "/")
         return None
 
