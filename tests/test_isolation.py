@@ -615,3 +615,14 @@ def test_pick_sandbox_uid_is_unused_and_in_range():
     assert tasks_of_uid(uid) == (0, 0)
     with pytest.raises(ValueError):
         isolation.kill_uid(0)
+
+
+def test_an_empty_pythonpath_entry_never_binds_the_whole_host(monkeypatch):
+    """``PYTHONPATH=src:`` (a trailing colon) puts the cwd on the interpreter's path, ``/`` for
+    the path probe: the sandbox bound the whole host read-only, then found no stdlib in it."""
+    from prism_challenge.evaluator.isolation import _default_readable
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src") + os.pathsep)
+    readable = _default_readable()
+    assert "/" not in readable and readable  # and the interpreter's own paths are still there
+    assert os.path.realpath(sys.prefix) in readable

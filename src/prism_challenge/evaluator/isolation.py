@@ -278,6 +278,8 @@ def _default_readable() -> list[str]:
     seen, uniq = set(), []
     for p in out:
         rp = os.path.realpath(p)
+        if rp == os.sep:  # an empty $PYTHONPATH entry reads as the cwd, "/" for the probe: never the whole host
+            continue
         if os.path.exists(rp) and rp not in seen:
             seen.add(rp)
             uniq.append(rp)
