@@ -274,7 +274,7 @@ def evaluate_config(config: dict[str, Any], batches: Sequence[np.ndarray], state
             stage = "load"
             if name == "trained":  # each tensor in its own dtype: the trained model as it is
                 load_scored_state(model, sd)
-            elif config.get("twin_dtypes"):  # the twin in the dtypes that scored batch 0 (pipeline.twin_dtypes)
+            elif config.get("twin_dtypes"):  # the twin in the dtypes that scored batch 0 (auditstage.twin_dtypes)
                 in_dtypes_of(model, {k: torch.empty(0, dtype=DTYPES[v]) for k, v in config["twin_dtypes"].items()
                                      if v in DTYPES})
             models[name] = (model.to(device), count)
