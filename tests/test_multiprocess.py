@@ -61,6 +61,12 @@ def test_ranks_that_drift_apart_are_caught(tmp_path):
     assert DRIFT != SEED_LOOP
     o = run(tmp_path, write_bundle(tmp_path / "b", ARCH, DRIFT, tokenizer="gpt2"), nproc=2, step_budget=2)
     assert o.failure is not None and o.failure.stage == "consistency"
+    import importlib.util, types
+    spec = importlib.util.spec_from_file_location("example_arch", EXAMPLE / "architecture.py")
+    arch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arch)
+    n = len(arch.build_model(types.SimpleNamespace(vocab_size=50257, max_seq_len=64)).state_dict())
+    assert f"rank(s) [1] disagree with rank 0 in 1 of {n} tensors: ln_f.weight (" in o.failure.message
     assert "rank(s) [1] disagree with rank 0" in o.failure.message
 
 

@@ -157,7 +157,7 @@ PATCHES = {
     "F.log_softmax": "F.log_softmax = lambda x, dim=-1: torch.zeros_like(x)",
     "Tensor.gather": "torch.Tensor.gather = lambda self, dim, index: torch.zeros(index.shape)",
     "Tensor.double": "torch.Tensor.double = lambda self: self * 0",
-    "runner.score_batch": "import prism_challenge.evaluator.runner as runner\n    runner.score_batch = lambda m, t, v: 0.0",
+    "runner.measure": "import prism_challenge.evaluator.runner as runner\n    runner.measure = lambda *a, **k: None",
     "vars(torch)": "vars(torch)['log_softmax'] = lambda x, dim=-1: torch.zeros_like(x)",
     "ctx._runtime": "ctx._runtime.vocab_size = 2",
     "forward_hook": "torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 0)",

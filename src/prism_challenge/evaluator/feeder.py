@@ -760,10 +760,12 @@ class Feeder:
         if len(groups) > 1:
             ref = groups.get(digests[0], [0])
             odd = sorted(r for r in digests if r not in ref)
+            with self._lock:
+                where = differing_tensors(self.result.done[0], self.result.done[odd[0]])
             self.fail(
                 "consistency",
-                f"the scored model's state_dict differs across ranks: rank(s) {odd} disagree with rank 0 "
-                f"(ranks must stay identical, e.g. through DDP)",
+                f"the scored model's state_dict differs across ranks: rank(s) {odd} disagree with rank 0"
+                f"{where} (ranks must stay identical, e.g. through DDP)",
             )
 
     def check_stall(self, timeout: float, first_timeout: float | None = None) -> tuple[str, str, int] | None:
@@ -863,3 +865,15 @@ class Feeder:
             for step in [k for k in self.result.audits if k not in scored]:
                 del self.result.audits[step]
             return self.result
+
+
+def differing_tensors(a: dict[str, Any], b: dict[str, Any], most: int = 5) -> str:
+    """``" in tensors x, y (+N more) of M"``: the state entries whose digests differ between two
+    ranks' DONE headers (``state_tensors``, name -> digest; entries only one rank has count as
+    differing), or ``""`` when either header lacks them."""
+    x, y = a.get("state_tensors"), b.get("state_tensors")
+    if not isinstance(x, dict) or not isinstance(y, dict):
+        return ""
+    names = sorted(n for n in set(x) | set(y) if x.get(n) != y.get(n))
+    more = f" (+{len(names) - most} more)" if len(names) > most else ""
+    return f" in {len(names)} of {len(set(x) | set(y))} tensors: {', '.join(names[:most])}{more}"

@@ -132,15 +132,21 @@ class Scored:
     """One scoring forward of a batch.
 
     Attributes:
-        nats: total code length in nats (float64 sum of ``-logprobs``); may be ``inf``/``nan``.
+        total: ``[]`` float64 on the model's device: the total code length in nats (the float64
+            sum of ``-logprobs``), not read back yet (:attr:`nats` reads it).
         logprobs: ``[B, T-1]`` float32: the log-probability of each target ``tokens[b, t+1]``
             given ``tokens[b, :t+1]``.
         precision: the coarsest of the logits' dtype and the scoring autocast dtype.
     """
 
-    nats: float
+    total: torch.Tensor
     logprobs: torch.Tensor
     precision: torch.dtype
+
+    @property
+    def nats(self) -> float:
+        """:attr:`total` as a Python float (may be ``inf``/``nan``); waits for the device."""
+        return float(self.total.item())
 
 
 def probe_precision(*dtypes: torch.dtype | None) -> torch.dtype:
@@ -263,10 +269,10 @@ def measure(model: nn.Module, tokens: torch.Tensor, vocab_size: int, probe: tupl
             logits = check_logits(out, tokens.shape[0], tokens.shape[1], vocab_size)
             # scored before any more submitted code runs (the probe's forward could change the logits)
             logprobs = target_logprobs(logits, original, vocab_size)
-            total = float((-logprobs.double().sum()).item())
+            total = -logprobs.double().sum()  # read back by the caller: no wait for the device here
             precision = probe_precision(logits.dtype, autocast)
             del out, logits  # freed before the probe's forward: its logits take their place in memory
-            if probe is not None and math.isfinite(total):  # non-finite: charged 2 ln V per target
+            if probe is not None and math.isfinite(total.item()):  # non-finite: charged 2 ln V per target
                 check_causal(model, original, logprobs, vocab_size, *probe, autocast=autocast,
                              precision=precision)
             return Scored(total, logprobs, precision)

@@ -38,7 +38,7 @@ from prism_challenge.evaluator.cudainit import start_cuda
 from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.childexit import exit_child
 from prism_challenge.evaluator.gpu import peak_memory
-from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, score_batch
+from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, measure
 from prism_challenge.evaluator.interface import Batch, PrismContext, context_values, run_context
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import (
@@ -48,9 +48,9 @@ from prism_challenge.evaluator.seeding import (
     force_seeds,
     force_source_imports,
 )
-from prism_challenge.evaluator.snapsend import SnapshotSender
+from prism_challenge.evaluator.reporter import Reporter, defer
 from prism_challenge.evaluator.staging import Staging
-from prism_challenge.evaluator.statedict import cpu_state, frames, state_digest, uncompiled
+from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -60,6 +60,7 @@ ENV_TOKEN = "PRISM_FEEDER_TOKEN"
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
 DRAIN_TIMEOUT_S = 60.0  # the feeder's answer to the last record is sent at once; this bounds a lost one
+TENSOR_DIGESTS_MAX_BYTES = 256 << 10  # a DONE header's per-tensor digests (ranks > 1), well under MAX_HEADER
 PLAIN_TENSORS = (torch.Tensor, nn.Parameter, *((nn.Buffer,) if hasattr(nn, "Buffer") else ()))
 """The types a scored model's ``state_dict`` entries may have for the audit's snapshot."""
 
@@ -84,11 +85,12 @@ class Runtime:
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
         self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
-        self.sender: SnapshotSender | None = None  # rank 0: the audited batch's snapshot, on its way
+        self.sender: Reporter | None = None  # the last batch's report (record, answer, snapshot), on its way
 
     def settle(self) -> None:
-        """Wait until the snapshot on its way (:class:`SnapshotSender`) has left: the runner sends
-        nothing while it runs (it owns the socket).
+        """Wait until the last batch's report (:class:`~prism_challenge.evaluator.reporter.Reporter`:
+        its record, the feeder's answer, an audited batch's snapshot, the next request) has left:
+        the runner sends and reads nothing while it runs (it owns the socket).
 
         Raises:
             protocol.ProtocolError: it could not be sent.
@@ -210,19 +212,19 @@ class Runtime:
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
-                nats = score_batch(model, tokens, self.vocab_size, tuple(probe) if probe else None, census,
-                                   self.autocast)
+                scored = measure(model, tokens, self.vocab_size, tuple(probe) if probe else None, census,
+                                 self.autocast)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
+            nats = defer(scored.total)  # enqueued before the loop gets the batch (reporter: no lookahead)
+            del scored
             if census is not None:
                 self._check_census(model, census, tokens, step)
-            record = (Kind.RECORD, {"step": step, "nats": nats if math.isfinite(nats) else None})
-            if self.config.get("audit"):  # the answer first, then the request: one round trip per batch
-                protocol.send(self.sock, *record)
-                if not self.await_answer(step, then=((Kind.NEXT, request),)):
-                    protocol.send(self.sock, Kind.NEXT, request)
-            else:
-                protocol.send_small(self.sock, record, (Kind.NEXT, request))
+            kept, self.kept = self.kept, None
+            # record, answer, snapshot and the next request leave while the loop trains on this batch
+            self.sender = Reporter(self.sock, self.reader, step, nats, bool(self.config.get("audit")), kept,
+                                   then=((Kind.NEXT, request),))
+            del kept
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -257,62 +259,6 @@ class Runtime:
                 copies[view] = value.detach().clone()
             out[name] = copies[view]
         return step, out
-
-    def await_answer(self, step: int, then: tuple[tuple[Kind, dict], ...] = ()) -> bool:
-        """Read the feeder's answer to batch ``step``'s record (an ANSWER frame, sent at once) and
-        act on it (:meth:`answer_audit`), before the loop gets the batch: an audited batch's
-        snapshot starts to leave whatever the loop does next, even if it never asks for another
-        batch. Whether a snapshot is on its way (it sends ``then`` after it).
-
-        Raises:
-            protocol.ProtocolError: another frame, or an answer to another batch.
-        """
-        kind, header, _ = self.reader.recv(max_payload=0)
-        answer = header.get("audited")
-        if kind != Kind.ANSWER or not (isinstance(answer, list) and answer[:1] == [step]):
-            raise protocol.ProtocolError(f"expected the feeder's answer to batch {step}'s record, got {kind.name}")
-        return self.answer_audit(header, then)
-
-    def answer_audit(self, header: dict[str, Any], then: tuple[tuple[Kind, dict], ...] = ()) -> bool:
-        """The feeder's answer to a batch's record (``audited``: ``[step, bool]``, an ANSWER frame the
-        feeder sends once the record arrived, :meth:`await_answer`). For an audited batch rank 0
-        sends the copy it kept of the weights before that batch was scored (:meth:`_state_before`)
-        on a thread of its own (:class:`SnapshotSender`), followed by the frames ``then``; the
-        copy is dropped either way (:mod:`~prism_challenge.evaluator.auditplan`). Whether a
-        sender started.
-
-        Raises:
-            protocol.ProtocolError: an answer to another batch than the kept one, or an audit
-                where the run has none.
-        """
-        answer = header.get("audited")
-        if answer is None:
-            return False
-        kept, self.kept = self.kept, None
-        if not (isinstance(answer, list) and len(answer) == 2 and answer[1] is True) or self.rank != 0:
-            return False
-        if kept is None or kept[0] != answer[0]:
-            raise protocol.ProtocolError(f"batch {answer[0]} is audited, and its weights were not kept")
-        self.settle()
-        self.sender = SnapshotSender(self.sock, kept[0], kept[1], then)
-        return True
-
-    def drain_answer(self) -> None:
-        """After ``train`` returned: a loop that stopped before asking past its last batch left the
-        answer to that batch's record unread, in the frame the feeder sent for the request made
-        with it (the next BATCH, never scored now, or END): read it, and send the kept snapshot
-        when that batch is audited; then wait until the snapshot on its way has left."""
-        self.settle()
-        if self.kept is None:
-            return
-        self.sock.settimeout(DRAIN_TIMEOUT_S)
-        try:
-            kind, header, _ = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
-        finally:
-            self.sock.settimeout(None)
-        if kind in (Kind.BATCH, Kind.END):
-            self.answer_audit(header)
-            self.settle()
 
     def _check_determinism(self, step: int) -> None:
         """Fail the run (stage contract) when the loop switched forced determinism or precision
@@ -418,9 +364,9 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
             runtime.report_error(runtime.stage, f"{type(exc).__name__}: {exc}", _tail(exc))
         return 1
     try:
-        runtime.drain_answer()
+        runtime.settle()  # the last batch's report: its record, the audit's answer, its snapshot
     except (OSError, protocol.ProtocolError) as exc:
-        runtime.report_error("state", f"the audit's last answer: {exc}")
+        runtime.report_error("state", f"the last batch's report: {exc}")
         return 1
     done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
     model = runtime.scored_model
@@ -434,7 +380,9 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
                                                  f"buffer elements, over the cap of {cap:,}")
                 return 1
             state = cpu_state(model)
-            done["state_sha256"] = state_digest(state)
+            done["state_sha256"], each = state_digests(state)
+            if world_size > 1 and sum(len(k) + 24 for k in each) <= TENSOR_DIGESTS_MAX_BYTES:
+                done["state_tensors"] = each  # names the tensors ranks disagree on (feeder._check_states)
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
                 for header, payload in frames(state):
                     protocol.send(sock, Kind.STATE, header, payload)

@@ -1,12 +1,13 @@
-"""Rank 0 sends an audited batch's snapshot on a thread of its own, while the loop trains.
+"""Rank 0 sends an audited batch's snapshot, while the loop trains.
 
 The snapshot is the copy of the scored module's ``state_dict`` that rank 0 took before the
 batch's scoring forward (:meth:`~prism_challenge.evaluator.runner.Runtime._state_before`). Once
-the feeder's answer says the batch is audited, a :class:`SnapshotSender` copies it to the CPU
-one tensor at a time and sends each as a SNAPSHOT frame, then SNAPSHOT_END, then the request for
-the next batch (``then``), and ends. The loop gets its batch at once: the copy, the transfer and
-the trusted side's write and hash (:class:`~prism_challenge.evaluator.snapshots.SnapshotStore`)
-overlap its training step instead of preceding it.
+the feeder's answer says the batch is audited, the batch's
+:class:`~prism_challenge.evaluator.reporter.Reporter` copies it to the CPU one tensor at a time
+and sends each as a SNAPSHOT frame, then SNAPSHOT_END, then the request for the next batch, on
+its own thread. The loop gets its batch at once: the copy, the transfer and the trusted side's
+write and hash (:class:`~prism_challenge.evaluator.snapshots.SnapshotStore`) overlap its
+training step instead of preceding it.
 
 What stays as it was:
 
@@ -15,7 +16,7 @@ What stays as it was:
   holds the whole snapshot, written and hashed, before it serves batch ``k + 1``: the snapshot
   of batch ``k`` cannot depend on any later batch;
 * while a sender runs it owns the socket: the runner sends nothing else until
-  :meth:`SnapshotSender.settle` returned (before it reads the next batch, reports an error or
+  :meth:`~prism_challenge.evaluator.reporter.Reporter.settle` returned (before it reads the next batch, reports an error or
   leaves the stream), so frames never interleave; at most one snapshot is in flight, and the
   rank's next copy is taken only after the sender ended (one snapshot plus one CPU tensor).
 """
@@ -23,7 +24,7 @@ What stays as it was:
 from __future__ import annotations
 
 import socket
-import threading
+
 import torch
 
 from prism_challenge.evaluator import protocol
@@ -54,52 +55,3 @@ def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]
         del t, cpu, payload
     protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": count})
     return sent
-
-
-class SnapshotSender:
-    """Sends one snapshot (:func:`send_snapshot`), then the frames ``then``, on a daemon thread.
-
-    Args:
-        sock: the feeder's socket (the sender owns it until :meth:`settle`).
-        step: the audited batch.
-        state: the copy taken before its scoring forward (name -> tensor, any device), consumed
-            as it is sent (:func:`send_snapshot`).
-        then: payload-less frames sent after SNAPSHOT_END (the request for the next batch).
-    """
-
-    def __init__(self, sock: socket.socket, step: int, state: dict[str, torch.Tensor],
-                 then: tuple[tuple[Kind, dict], ...] = ()):
-        self.step = step
-        self.error: BaseException | None = None
-        self.sent = 0
-        self._args: tuple | None = (sock, step, state, then)
-        self._thread = threading.Thread(target=self._run, name="prism-snapshot-sender", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        sock, step, state, then = self._args
-        self._args = None  # the thread's frame holds the state alone: it goes when the thread ends
-        try:
-            self.sent = send_snapshot(sock, step, state)
-            del state
-            if then:
-                protocol.send_small(sock, *then)
-        except BaseException as exc:  # noqa: BLE001 - handed to the runner's thread by settle()
-            self.error = exc
-
-    @property
-    def running(self) -> bool:
-        """Whether the thread still sends."""
-        return self._thread.is_alive()
-
-    def settle(self) -> None:
-        """Wait for the thread's end.
-
-        Raises:
-            protocol.ProtocolError: the snapshot could not be sent (the socket closed, a dtype
-                the harness cannot store), naming the batch.
-        """
-        self._thread.join()
-        if self.error is not None:
-            raise protocol.ProtocolError(f"the snapshot of audited batch {self.step} could not be sent: "
-                                         f"{type(self.error).__name__}: {self.error}")

@@ -66,14 +66,27 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over ``name, dtype, shape, raw bytes`` of every tensor, in sorted name order."""
-    h = hashlib.sha256()
+def state_digests(state: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
+    """``(whole, per_tensor)``: sha256 over ``name, dtype, shape, raw bytes`` of every tensor in
+    sorted name order (:func:`state_digest`), and each tensor's own sha256 over ``dtype, shape,
+    raw bytes`` (the first 16 hex digits: enough to name which tensors two ranks disagree on).
+    One pass over the bytes."""
+    whole, each = hashlib.sha256(), {}
     for name in sorted(state):
         t = state[name]
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(tensor_bytes(t.contiguous()))
-    return h.hexdigest()
+        meta = f"{t.dtype}\0{tuple(t.shape)}\0".encode()
+        data = tensor_bytes(t.contiguous())
+        whole.update(f"{name}\0".encode() + meta)
+        whole.update(data)
+        own = hashlib.sha256(meta)
+        own.update(data)
+        each[name] = own.hexdigest()[:16]
+    return whole.hexdigest(), each
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over ``name, dtype, shape, raw bytes`` of every tensor, in sorted name order."""
+    return state_digests(state)[0]
 
 
 def frames(state: Mapping[str, torch.Tensor]) -> Iterable[tuple[dict, memoryview]]:
