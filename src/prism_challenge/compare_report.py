@@ -79,7 +79,8 @@ def crown_rows(rows_: Sequence[CrownRow]) -> list[tuple[str, ...]]:
         place = f"{g.place}" + (" short" if g.short else "")
         diff = "-" if d is None else f"{d.diff:+.6f} [{d.low:+.6f}, {d.high:+.6f}]"
         out.append((place, row.label, str(g.n), f"{g.mean:.6f}" + ("" if g.std is None else f" ± {g.std:.6f}"),
-                    "-" if g.p is None else f"{g.p:.3g}", diff, ", ".join(str(r.manifest.get("seed")) for r in row.runs)))
+                    "-" if g.p is None else f"{g.p:.3g}", diff,
+                    ", ".join(str(r.manifest.get("seed")) for r in row.runs)))
     return out
 
 
