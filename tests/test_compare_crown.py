@@ -96,3 +96,16 @@ def test_prism_compare_prints_the_test(runs, capsys, monkeypatch):
     assert beta.split()[0] == "2" and f" {stats.t.sf(t, df):.3g} " in beta and "p < 1e-05" in out
     assert main(["compare", str(runs), "--significance-p", "1.5"]) == 2
     assert "--significance-p 1.5: must be in (0, 1)" in capsys.readouterr().err
+
+
+def test_the_html_report_has_the_crown_table(runs):
+    from prism_challenge.compare_report import html_report
+
+    groups = group_runs(load_runs(sorted(runs.iterdir())))
+    page = html_report(groups, [], None)
+    t, df, se = welch_by_hand(ALPHA, BETA)
+    diff, half = statistics.mean(ALPHA) - statistics.mean(BETA), stats.t.ppf(0.975, df) * se
+    assert "<h3>Bundles by the crown rule</h3>" in page and "p &lt; 0.01" in page
+    row = page[page.index("<td>alpha</td>", page.index("Bundles by the crown rule")):]
+    assert row.startswith(f"<td>alpha</td><td>3</td><td>{statistics.mean(ALPHA):.6f} ± {statistics.stdev(ALPHA):.6f}"
+                          f"</td><td>{stats.t.cdf(t, df):.3g}</td><td>{diff:+.6f} [{diff - half:+.6f}, {diff + half:+.6f}]")
