@@ -342,5 +342,6 @@ def test_a_peeking_loop_that_stops_after_a_few_batches_is_caught_and_flagged(tmp
     m = out.manifest
     assert m["stream"]["stop_reason"] == "loop_stopped" and m["stream"]["batches"] == 8
     assert "loop_stopped" in m["verdict"]["flags"]
+    assert m["stream"]["tokens"] < 0.99 * 12_000 and "short" in m["verdict"]["flags"]  # ranked in the lower tier
     assert not m["audit"]["passed"] and m["verdict"]["final_score"] == 0.0
     assert _audited_steps(m) == drawn_steps(bytes.fromhex(m["run_secret"]), 8, AUDITED_BATCHES)
