@@ -109,3 +109,25 @@ def test_the_html_report_has_the_crown_table(runs):
     row = page[page.index("<td>alpha</td>", page.index("Bundles by the crown rule")):]
     assert row.startswith(f"<td>alpha</td><td>3</td><td>{statistics.mean(ALPHA):.6f} ± {statistics.stdev(ALPHA):.6f}"
                           f"</td><td>{stats.t.cdf(t, df):.3g}</td><td>{diff:+.6f} [{diff - half:+.6f}, {diff + half:+.6f}]")
+
+
+def test_the_plot_names_runs_by_bundle_and_seed_and_bands_each_bundle(runs):
+    from prism_challenge.compare_report import legend_names
+    from prism_challenge.plots import RunCurve, group_band
+
+    groups = group_runs(load_runs(sorted(runs.iterdir())))
+    names = sorted(legend_names(groups, 0.01).values())
+    assert names == ["alpha · seed 1", "alpha · seed 2", "alpha · seed 3",
+                     "beta · seed 1", "beta · seed 2", "beta · seed 3", "gamma · seed 7"]
+    # the band by hand: three curves on one byte schedule, one shorter (its end bounds the band)
+    a = RunCurve("a", [10, 100, 1000], [0.0] * 3, [4.0, 3.0, 2.0])
+    b = RunCurve("b", [10, 100, 1000], [0.0] * 3, [5.0, 3.5, 2.5])
+    c = RunCurve("c", [10, 100], [0.0] * 2, [6.0, 4.0])
+    x, mean, std = group_band([a, b, c])
+    assert x.tolist() == [10.0, 100.0]
+    assert mean.tolist() == pytest.approx([5.0, 3.5])
+    assert std.tolist() == pytest.approx([1.0, 0.5])  # sample std of (4, 5, 6) and (3, 3.5, 4)
+    # between two points the curves are interpolated in log bytes: halfway (in log) is the mean of the ends
+    d = RunCurve("d", [10, 1000], [0.0] * 2, [4.0, 2.0])
+    x, mean, _ = group_band([RunCurve("e", [10, 100, 1000], [0.0] * 3, [4.0, 3.0, 2.0]), d])
+    assert mean.tolist() == pytest.approx([4.0, 3.0, 2.0])

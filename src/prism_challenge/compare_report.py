@@ -183,6 +183,20 @@ def add_compare_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_compare)
 
 
+def legend_names(groups: Sequence[Group], p: float) -> dict[int, str]:
+    """A short legend name per run (keyed by ``id(run)``): its bundle's label in the crown table
+    and its seed, ``"tiny-1m · seed 1234"`` (``#2``... when a bundle and seed repeat), never the
+    timestamped run directory."""
+    names: dict[int, str] = {}
+    for g in groups:
+        for row in crown(g, p):
+            for r in row.runs:
+                name = f"{row.label} · seed {r.manifest.get('seed')}"
+                n = sum(1 for v in names.values() if v == name or v.startswith(name + " #"))
+                names[id(r)] = name if n == 0 else f"{name} #{n + 1}"
+    return names
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run ``prism compare``; returns 0, or 2 for run directories or a plot name that cannot be used."""
     from rich.console import Console
@@ -200,7 +214,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         failed = [r for r in runs if not r.scored]
         print_report(console, groups, failed, args.significance_p)
         shown = [r for g in groups for r in g.runs]
-        fig = learning_curve_figure([run_curve(r.manifest, r.label) for r in shown],
+        names = legend_names(groups, args.significance_p)
+        fig = learning_curve_figure([run_curve(r.manifest, names[id(r)]) for r in shown],
                                     colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)

@@ -7,7 +7,9 @@ and :func:`figure_bytes` renders it as PNG or SVG bytes. Figures are built with
 backend is chosen and nothing is shown.
 
 For each run two lines share one colour: the per-batch bpb (thin) and the cumulative
-prequential bpb (thick), whose last point is the run's ``prequential_bpb``.
+prequential bpb (thick), whose last point is the run's ``prequential_bpb``. Runs of one variant
+(seed repeats, ``colour_by``) share a colour, and two or more of them get a band: their mean
+cumulative bpb with ±1 sample std (:func:`group_band`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -103,6 +106,15 @@ def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learni
         ax.plot(curve.cumulative_bytes, curve.batch_bpb, color=colour, linewidth=0.8, alpha=0.35)
         ax.plot(curve.cumulative_bytes, curve.cumulative_bpb, color=colour, linewidth=2.2, linestyle=style,
                 label=f"{curve.label}  ({curve.cumulative_bpb[-1]:.4f})")
+    banded = False
+    for k in order:
+        members = [c for c, key in zip(curves, keys) if key == k]
+        if len(members) >= 2:
+            x, mean, std = group_band(members)
+            colour = f"C{order.index(k) % 10}"
+            ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
+            ax.plot(x, mean, color=colour, linewidth=1.2, alpha=0.9)
+            banded = True
     ax.set_xscale("log")
     ax.set_xlabel("bytes scored (UTF-8, log scale)")
     ax.set_ylabel("bits per byte (lower is better)")
@@ -110,8 +122,27 @@ def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learni
     ax.grid(True, which="both", alpha=0.3)
     ax.plot([], [], color="0.4", linewidth=2.2, label="thick: cumulative prequential bpb")
     ax.plot([], [], color="0.4", linewidth=0.8, alpha=0.5, label="thin: per-batch bpb")
+    if banded:
+        ax.fill_between([], [], [], color="0.4", alpha=0.2, label="band: seed repeats' mean ± 1 std (cumulative)")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
     return fig
+
+
+def group_band(curves: Sequence[RunCurve]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, mean, std)`` of the cumulative bpb of ``n >= 2`` runs of one variant (seed repeats),
+    each ``[P]``: ``x`` the first run's byte counts up to the shortest run's end; every run's
+    curve linearly interpolated in ``log x`` onto it; ``std`` the sample std (``ddof=1``).
+
+    Raises:
+        PlotError: fewer than two curves.
+    """
+    if len(curves) < 2:
+        raise PlotError("a band needs two runs or more")
+    end = min(c.cumulative_bytes[-1] for c in curves)
+    x = np.array([b for b in curves[0].cumulative_bytes if 0 < b <= end], dtype=np.float64)
+    ys = np.stack([np.interp(np.log(x), np.log(np.asarray(c.cumulative_bytes, dtype=np.float64)),
+                             np.asarray(c.cumulative_bpb, dtype=np.float64)) for c in curves])
+    return x, ys.mean(axis=0), ys.std(axis=0, ddof=1)
 
 
 def figure_bytes(fig: Figure, fmt: str) -> bytes:
