@@ -167,6 +167,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no table: one result line (or only the JSON with --json)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--profile-phases", action="store_true",
+                   help="benchmarks: time each rank's stream by phase (scoring, state copy, report, the loop's own "
+                        "step...) and write it with the parent's CPU time to the run's logs/phases.json")
     p.set_defaults(func=cmd_eval)
 
 
@@ -195,7 +198,8 @@ def _options(args: argparse.Namespace, profile, seed: int | None, out_dir: str |
         overridden.sort()
     return EvalOptions(bundle=args.bundle, out_dir=out_dir, nnodes=args.nnodes, rank_timeout=args.rank_timeout,
                        idle_timeout=args.idle_timeout, isolation=args.isolation, profile=profile,
-                       profile_overridden=overridden, run_secret=getattr(args, "run_secret", None), **settings)
+                       profile_overridden=overridden, run_secret=getattr(args, "run_secret", None),
+                       profile_phases=bool(getattr(args, "profile_phases", False)), **settings)
 
 
 def _seeds(args: argparse.Namespace, profile) -> list[int] | None:

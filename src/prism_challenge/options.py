@@ -136,7 +136,7 @@ argparse types call :func:`check_field` with the same rules)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "isolation": ISOLATION_MODES,
                                        "scoring_autocast": SCORING_AUTOCAST}
-FLAGS = ("run_gates", "static_gates", "audit_hooks", "warm_ranks")
+FLAGS = ("run_gates", "static_gates", "audit_hooks", "warm_ranks", "profile_phases")
 
 
 def check_field(name: str, value: Any) -> Any:
@@ -201,6 +201,9 @@ class EvalOptions:
     one rank under the single-rank agent (:mod:`~prism_challenge.evaluator.single`), several for
     torchrun's workers to claim (:mod:`~prism_challenge.evaluator.warm`); ``False`` starts
     every rank cold, after torchrun's agent (``bench/overhead.py --cold-ranks`` compares them).
+    ``profile_phases``: benchmarks: each rank times its stream's phases
+    (:mod:`~prism_challenge.evaluator.phases`), written with the parent's CPU time to the run's
+    ``logs/phases.json``; the score is unchanged.
     ``profile``: the challenge profile the settings came from (:mod:`~prism_challenge.profiles`;
     its data pin and allowed tokenizers are checked), ``profile_overridden`` the fields set
     otherwise; both are recorded in the manifest's ``profile``.
@@ -254,6 +257,7 @@ class EvalOptions:
     policy: Policy = field(default_factory=Policy)
     scoring_autocast: str = "fp32"
     warm_ranks: bool = True
+    profile_phases: bool = False
     profile: Profile | None = None
     profile_overridden: list[str] = field(default_factory=list)
     run_secret: bytes | None = None

@@ -11,6 +11,7 @@ manifest. The runner (untrusted) only ever sees one batch at a time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -444,6 +445,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
         "audit": opts.audited_batches > 0,  # rank 0 keeps each batch's weights until the feeder's answer
+        "profile_phases": opts.profile_phases,  # benchmarks: evaluator/phases.py
     }
     running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
 
@@ -520,6 +522,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         raise
     feeder.release()
     t_release = feeder.released_at or time.monotonic()
+    cpu_release = resource.getrusage(resource.RUSAGE_SELF)
     findings, param_count_gate = gated.findings, gated.parameter_count
     if opts.token_budget:
         total, unit = opts.token_budget, "tokens"
@@ -546,6 +549,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             shutil.rmtree(sock_tmp, ignore_errors=True)
     t_end = time.monotonic()
     _drop_c10d_warnings(log_path)
+    if opts.profile_phases:
+        write_phases(run_dir / "logs" / "phases.json", result, cpu_release, t_end - t_release)
 
     # 4. score what was scored
     if control.cancelled:  # the watcher killed the tree: whatever the feeder saw after, it was the kill
@@ -632,6 +637,18 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         manifest = _signed(manifest, signing_key)
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+def write_phases(path: Path, result: FeederResult, cpu_release: Any, wall_s: float) -> None:
+    """``--profile-phases``: each rank's phase seconds (its DONE header's ``phases``) and the
+    trusted parent's CPU seconds (all its threads: feeder, guard, progress) from the release to
+    the end of the stream, as JSON."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    path.write_text(json.dumps({
+        "ranks": {str(r): d.get("phases") for r, d in sorted(result.done.items())},
+        "parent": {"wall_s": round(wall_s, 6), "cpu_user_s": round(use.ru_utime - cpu_release.ru_utime, 6),
+                   "cpu_system_s": round(use.ru_stime - cpu_release.ru_stime, 6)},
+    }, indent=1))
 
 
 def _signed(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:

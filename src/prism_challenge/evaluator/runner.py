@@ -48,6 +48,7 @@ from prism_challenge.evaluator.seeding import (
     force_seeds,
     force_source_imports,
 )
+from prism_challenge.evaluator.phases import PhaseClock
 from prism_challenge.evaluator.reporter import Reporter, defer
 from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, uncompiled
@@ -86,6 +87,7 @@ class Runtime:
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
         self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
         self.sender: Reporter | None = None  # the last batch's report (record, answer, snapshot), on its way
+        self.clock = PhaseClock(bool(config.get("profile_phases")))  # benchmarks only (evaluator/phases.py)
 
     def settle(self) -> None:
         """Wait until the last batch's report (:class:`~prism_challenge.evaluator.reporter.Reporter`:
@@ -195,8 +197,12 @@ class Runtime:
         staging = Staging(self.device)
         request = {"batch_size": batch_size, "seq_len": seq_len}
         protocol.send(self.sock, Kind.NEXT, request)
+        clock = self.clock
+        clock.start()
         while True:
+            clock.lap("loop")
             self.settle()  # an audited batch's snapshot (and the request after it) left while the loop trained
+            clock.lap("report_wait")
             # batch `step` was asked for with the previous record: it waits in the socket (not in
             # this process) until the loop asks for it here
             kind, header, payload = self.reader.recv(max_payload=8 * MAX_BATCH_TOKENS)
@@ -205,10 +211,13 @@ class Runtime:
                 return
             if kind != Kind.BATCH:
                 raise protocol.ProtocolError(f"expected BATCH or END from the feeder, got {kind.name}")
+            clock.lap("batch_wait")
             rows, cols = int(header["rows"]), int(header["seq_len"])
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
+            clock.lap("staging")
             self.kept = self._state_before(model, step)  # rank 0: the weights before the model sees the batch
+            clock.lap("state_copy")
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
             try:
@@ -216,15 +225,19 @@ class Runtime:
                                  self.autocast)
             except ContractError as exc:
                 raise self.contract_error(str(exc)) from None
+            clock.lap("scoring")
             nats = defer(scored.total)  # enqueued before the loop gets the batch (reporter: no lookahead)
             del scored
             if census is not None:
                 self._check_census(model, census, tokens, step)
+            clock.lap("census")
             kept, self.kept = self.kept, None
             # record, answer, snapshot and the next request leave while the loop trains on this batch
             self.sender = Reporter(self.sock, self.reader, step, nats, bool(self.config.get("audit")), kept,
                                    then=((Kind.NEXT, request),))
             del kept
+            clock.batches += 1
+            clock.lap("report_start")
             try:
                 yield Batch(tokens, step)
             except GeneratorExit:
@@ -369,6 +382,8 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
         runtime.report_error("state", f"the last batch's report: {exc}")
         return 1
     done: dict[str, Any] = {**peak_memory(), "device_name": _device_name(device)}
+    if runtime.clock.on:
+        done["phases"] = runtime.clock.report()
     model = runtime.scored_model
     if model is not None:
         runtime.stage = "state"
