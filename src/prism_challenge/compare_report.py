@@ -22,11 +22,16 @@ from prism_challenge.compare import (
     variant,
     warnings,
 )
+from prism_challenge.data.refcodes import CODECS, against_best
 
-HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop")
-CONSOLE_HIDDEN = ("tokenizer", "bytes")  # in the group's key line, and in the HTML report
+HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop",
+           *CODECS, "ref bpb " + "/".join(n.split("-")[0] for n in CODECS), "bpb − best ref")
+CONSOLE_HIDDEN = ("tokenizer", "bytes", *CODECS)  # in the group's key line, and in the HTML report
+HTML_HIDDEN = (HEADERS[-2],)  # the HTML report has a column per compressor
 LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequential_bpb, lower is better "
-          "(ranked on it first); Δ held-out: heldout_delta (bpb)")
+          "(ranked on it first); Δ held-out: heldout_delta (bpb); ref bpb: the bits per byte of "
+          + ", ".join(CODECS) + " on the same scored bytes; bpb − best ref: the model's bpb minus the best of "
+          "them (negative: the model codes the text in fewer bits than every one)")
 
 
 def key_text(group: Group) -> str:
@@ -37,6 +42,16 @@ def key_text(group: Group) -> str:
     return "; ".join(f"{k}: {short(v)}" for k, v in group.key.items())
 
 
+def reference_cells(bpb: float, record: dict[str, Any] | None) -> tuple[str, ...]:
+    """The reference-code cells of a row: one per compressor, the console's joined one, and
+    ``bpb`` minus the best (``+1.6857 xz-9e``); ``-`` in each without a record."""
+    if not record:
+        return ("-",) * (len(CODECS) + 2)
+    codes = tuple(f"{record[n]:.4f}" for n in CODECS)
+    best, diff = against_best(bpb, record)
+    return (*codes, "/".join(codes), f"{diff:+.4f} {best}")
+
+
 def rows(group: Group) -> list[tuple[str, ...]]:
     """The table rows of a ranked group (strings, in :data:`HEADERS` order)."""
     out = []
@@ -44,10 +59,11 @@ def rows(group: Group) -> list[tuple[str, ...]]:
         m, v = r.manifest, r.manifest.get("verdict") or {}
         delta = (v.get("heldout") or {}).get("heldout_delta")
         fs = v.get("final_score")
-        out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{m['score']['prequential_bpb']:.6f}",
+        bpb = m["score"]["prequential_bpb"]
+        out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{bpb:.6f}",
                     "-" if delta is None else f"{delta:.4f}", ", ".join(v.get("flags", [])) or "-",
                     str(m.get("seed")), (m.get("tokenizer") or {}).get("name", "?"), f"{m['score']['bytes']:,}",
-                    (m.get("stream") or {}).get("stop_reason", "?")))
+                    (m.get("stream") or {}).get("stop_reason", "?"), *reference_cells(bpb, m.get("reference_codes"))))
     return out
 
 
@@ -109,8 +125,9 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
     parts = [f'<p class="warn">WARNING: {html.escape(w)}</p>' for w in warnings(groups)]
     parts.append(f"<p class='note'>{html.escape(LEGEND)}</p>")
     for n, g in enumerate(groups, 1):
-        parts.append(f"<h2>Group {n}</h2><p class='key'>" + html.escape(key_text(g))
-                     + "</p>" + _table_html(HEADERS, rows(g)))
+        shown = [i for i, h in enumerate(HEADERS) if h not in HTML_HIDDEN]
+        parts.append(f"<h2>Group {n}</h2><p class='key'>" + html.escape(key_text(g)) + "</p>" + _table_html(
+            [HEADERS[i] for i in shown], [[row[i] for i in shown] for row in rows(g)]))
         reps = repeat_rows(g)
         if reps:
             parts.append("<h3>Seed repeats (std: sample, ddof=1)</h3>" + _table_html(REPEAT_HEADERS, reps))

@@ -113,6 +113,14 @@ def code_lengths(text: bytes) -> dict[str, float]:
     return {name: 8 * sizes[name] / len(text) for name in CODECS}
 
 
+def against_best(bpb: float, record: dict[str, Any]) -> tuple[str, float]:
+    """The best (lowest-bpb) code of a ``reference_codes`` record and ``bpb`` minus it, in bits
+    per byte: negative when the model coded the scored text in fewer bits than every reference
+    compressor (ties: the first of :data:`CODECS`)."""
+    name = min(CODECS, key=lambda n: record[n])
+    return name, bpb - record[name]
+
+
 def cache_path(manifest: DataManifest, nbytes: int, cache_root: Path | None = None, split: str = "train") -> Path:
     """Where the codes of ``nbytes`` bytes of ``split`` are cached (see the module doc)."""
     if cache_root is None:
