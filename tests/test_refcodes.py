@@ -182,17 +182,21 @@ def test_the_console_summary_shows_the_codes_and_the_gap():
 
 
 def test_prism_compare_shows_the_codes(tmp_path):
-    for name, record in (("a", RECORD), ("b", None)):
+    for name, record in (("a", RECORD), ("b", None), ("c", RECORD)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / MANIFEST_NAME).write_text(json.dumps(_with(record)))
-    groups = group_runs(load_runs([tmp_path / "a", tmp_path / "b"]))
+        m = _with(record)
+        if name == "c":  # a better run on the same bytes
+            m["score"]["prequential_bpb"] = m["verdict"]["prequential_bpb"] = 2.0
+        (tmp_path / name / MANIFEST_NAME).write_text(json.dumps(m))
+    groups = group_runs(load_runs([tmp_path / n for n in "abc"]))
     got = {row[1]: dict(zip(HEADERS, row)) for row in rows(groups[0])}
-    assert {k: got["a"][k] for k in ("zstd-19", "xz-9e", "gzip-9", "ref bpb zstd/xz/gzip", "bpb − best ref")} == {
-        "zstd-19": "2.5000", "xz-9e": "2.2500", "gzip-9": "3.0000", "ref bpb zstd/xz/gzip": "2.5000/2.2500/3.0000",
-        "bpb − best ref": f"{GAP} xz-9e"}
-    assert got["b"]["bpb − best ref"] == got["b"]["xz-9e"] == "-"
+    assert {k: got["a"][k] for k in ("zstd-19", "xz-9e", "gzip-9", "bpb − best ref")} == {
+        "zstd-19": "2.5000", "xz-9e": "2.2500", "gzip-9": "3.0000", "bpb − best ref": f"{GAP} xz-9e"}
+    assert got["c"]["bpb − best ref"] == "-0.2500 xz-9e" and got["b"]["bpb − best ref"] == got["b"]["xz-9e"] == "-"
     buf = io.StringIO()
-    print_report(Console(file=buf, width=250), groups, [])
-    assert "2.5000/2.2500/3.0000" in buf.getvalue() and f"{GAP} xz-9e" in buf.getvalue()
+    print_report(Console(file=buf, width=80), groups, [])
+    # the console: one line per distinct record under the table, each run's difference in rank order
+    assert ("reference codes of the same 3,999 scored bytes (bpb): zstd-19 2.5000 · xz-9e 2.2500 · gzip-9 3.0000; "
+            f"bpb − xz-9e: c -0.2500, a {GAP}\n") in buf.getvalue()
     page = html_report(groups, [], None)
-    assert "<th>xz-9e</th>" in page and "<td>2.2500</td>" in page and "ref bpb zstd/xz/gzip" not in page
+    assert "<th>xz-9e</th>" in page and "<td>2.2500</td>" in page and f"<td>{GAP} xz-9e</td>" in page

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from importlib import resources
@@ -25,12 +26,12 @@ from prism_challenge.compare import (
 from prism_challenge.data.refcodes import CODECS, against_best
 
 HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop",
-           *CODECS, "ref bpb " + "/".join(n.split("-")[0] for n in CODECS), "bpb − best ref")
-CONSOLE_HIDDEN = ("tokenizer", "bytes", *CODECS)  # in the group's key line, and in the HTML report
-HTML_HIDDEN = (HEADERS[-2],)  # the HTML report has a column per compressor
+           *CODECS, "bpb − best ref")
+# in the group's key line and its reference line (:func:`reference_lines`), and in the HTML report
+CONSOLE_HIDDEN = ("tokenizer", "bytes", *CODECS, "bpb − best ref")
 LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequential_bpb, lower is better "
-          "(ranked on it first); Δ held-out: heldout_delta (bpb); ref bpb: the bits per byte of "
-          + ", ".join(CODECS) + " on the same scored bytes; bpb − best ref: the model's bpb minus the best of "
+          "(ranked on it first); Δ held-out: heldout_delta (bpb); reference codes: the bits per byte of "
+          + ", ".join(CODECS) + " on the same scored bytes; bpb − best: the model's bpb minus the best of "
           "them (negative: the model codes the text in fewer bits than every one)")
 
 
@@ -43,13 +44,33 @@ def key_text(group: Group) -> str:
 
 
 def reference_cells(bpb: float, record: dict[str, Any] | None) -> tuple[str, ...]:
-    """The reference-code cells of a row: one per compressor, the console's joined one, and
-    ``bpb`` minus the best (``+1.6857 xz-9e``); ``-`` in each without a record."""
+    """The reference-code cells of a row: one per compressor, and ``bpb`` minus the best
+    (``+1.6857 xz-9e``); ``-`` in each without a record."""
     if not record:
-        return ("-",) * (len(CODECS) + 2)
-    codes = tuple(f"{record[n]:.4f}" for n in CODECS)
+        return ("-",) * (len(CODECS) + 1)
     best, diff = against_best(bpb, record)
-    return (*codes, "/".join(codes), f"{diff:+.4f} {best}")
+    return (*(f"{record[n]:.4f}" for n in CODECS), f"{diff:+.4f} {best}")
+
+
+def reference_lines(group: Group) -> list[str]:
+    """The console's reference lines of a group: one per distinct ``reference_codes`` record
+    (runs on the same bytes share one), its codes and each of its runs' bpb minus the best, e.g.
+    ``reference codes of the same 67,892 scored bytes (bpb): zstd-19 2.4558 · xz-9e 2.4279 ·
+    gzip-9 2.5919; bpb − xz-9e: tiny +1.6857``."""
+    by: dict[str, list[Run]] = {}
+    for r in group.runs:
+        record = r.manifest.get("reference_codes")
+        if record:
+            by.setdefault(json.dumps(record, sort_keys=True), []).append(r)
+    out = []
+    for key, runs in by.items():
+        record = json.loads(key)
+        best = against_best(0.0, record)[0]
+        diffs = ", ".join(f"{r.label} {against_best(r.manifest['score']['prequential_bpb'], record)[1]:+.4f}"
+                          for r in runs)
+        out.append(f"reference codes of the same {record['bytes']:,} scored bytes (bpb): "
+                   + " · ".join(f"{n} {record[n]:.4f}" for n in CODECS) + f"; bpb − {best}: {diffs}")
+    return out
 
 
 def rows(group: Group) -> list[tuple[str, ...]]:
@@ -99,6 +120,8 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run]) -> Non
         for row in rows(g):
             t.add_row(*(escape(row[i]) for i in shown))
         console.print(t)
+        for line in reference_lines(g):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         reps = repeat_rows(g)
         if reps:
             rt = Table(title=f"group {n}: seed repeats (std: sample, ddof=1)", box=box.SIMPLE_HEAD)
@@ -125,9 +148,8 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
     parts = [f'<p class="warn">WARNING: {html.escape(w)}</p>' for w in warnings(groups)]
     parts.append(f"<p class='note'>{html.escape(LEGEND)}</p>")
     for n, g in enumerate(groups, 1):
-        shown = [i for i, h in enumerate(HEADERS) if h not in HTML_HIDDEN]
-        parts.append(f"<h2>Group {n}</h2><p class='key'>" + html.escape(key_text(g)) + "</p>" + _table_html(
-            [HEADERS[i] for i in shown], [[row[i] for i in shown] for row in rows(g)]))
+        parts.append(f"<h2>Group {n}</h2><p class='key'>" + html.escape(key_text(g))
+                     + "</p>" + _table_html(HEADERS, rows(g)))
         reps = repeat_rows(g)
         if reps:
             parts.append("<h3>Seed repeats (std: sample, ddof=1)</h3>" + _table_html(REPEAT_HEADERS, reps))
