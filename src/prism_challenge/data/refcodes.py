@@ -21,7 +21,8 @@ and checksums are counted (a few bytes: nothing for a prefix of a megabyte).
 
 **The cache.** One JSON file per (data MANIFEST sha256, split, ``nbytes``), in
 ``<cache root>/refcodes/<manifest sha256>-<split>-<nbytes>.json``, holding the codes, the text's
-sha256 and the compressor libraries' versions; a file whose key or versions differ is recomputed.
+sha256, the compressor libraries' versions and the seconds the computation took (reading the text
+included); a file whose key or versions differ is recomputed.
 Everything here runs on the trusted side, from the locked shards: the submission chooses nothing
 but how many bytes it was scored on.
 """
@@ -38,6 +39,7 @@ import os
 import platform
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -166,13 +168,15 @@ def reference_codes(manifest: DataManifest, nbytes: int, *, cache_root: Path | N
     record = _read_cache(path, key)
     if record is not None:
         return record
+    t0 = time.perf_counter()
     text = scored_text(manifest, nbytes, split)
     record = {"bytes": nbytes, "text_sha256": hashlib.sha256(text).hexdigest(), **code_lengths(text)}
+    seconds = time.perf_counter() - t0
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "w") as f:
-            json.dump({**key, "record": record}, f, indent=2)
+            json.dump({**key, "seconds": seconds, "record": record}, f, indent=2)
         os.replace(tmp, path)
     except OSError as exc:  # an unwritable cache costs a recomputation next time, nothing else
         log.warning("reference codes: cannot cache %s: %s", path, exc)
