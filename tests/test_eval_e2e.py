@@ -1,7 +1,9 @@
 """End to end through the real torchrun: ``prism eval`` on small bundles (seconds each)."""
 
+import gzip
 import hashlib
 import json
+import lzma
 import math
 import os
 import re
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
 from prism_challenge.bundle import load_bundle
 from prism_challenge.cli import main
@@ -182,6 +185,13 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     assert sum(last_quarter) / len(last_quarter) < curve[0]
     assert "prequential_bpb" in capsys.readouterr().out
     assert m["profile"]["name"] == "local" and m["profile"]["overridden"] == []  # 20000 is local's budget
+    # the reference compressors' code lengths of the scored bytes, from a text built here
+    text = b"".join(t.encode("utf-8") for t in _train_texts(m["data"]["dir"]))[: s["bytes"]]
+    assert m["reference_codes"] == {
+        "bytes": s["bytes"], "text_sha256": hashlib.sha256(text).hexdigest(),
+        "zstd-19": 8 * len(zstandard.ZstdCompressor(level=19).compress(text)) / s["bytes"],
+        "xz-9e": 8 * len(lzma.compress(text, preset=9 | lzma.PRESET_EXTREME)) / s["bytes"],
+        "gzip-9": 8 * len(gzip.compress(text, compresslevel=9)) / s["bytes"]}
     # the profile `local` with --json: the same run, identical to the last bit; stdout is one JSON object
     assert main(["eval", str(EXAMPLE), "--profile", "local", "--json", "--out", str(tmp_path / "b")]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -189,13 +199,22 @@ def test_example_acceptance_and_bitwise_reproducibility(tmp_path, capsys):
     assert out["manifest"] == str(tmp_path / "b" / MANIFEST_NAME) and out["status"] == "scored"
     assert out["prequential_bpb"] == m2["score"]["prequential_bpb"] == s["prequential_bpb"]
     assert out["final_score"] == m2["verdict"]["final_score"] == m["verdict"]["final_score"]
-    assert m2["curve"] == m["curve"]
+    assert m2["curve"] == m["curve"] and m2["reference_codes"] == m["reference_codes"]
     assert m2["profile"]["sha256"] == hashlib.sha256(
         (REPO / "src/prism_challenge/profiles/local.toml").read_bytes()).hexdigest()
     # torchrun was started before the gates and released once they passed
     t = m["timing"]  # the gates ran while torchrun started
     assert 0 < t["gates_s"] <= t["launch_to_release_s"] <= t["gates_s"] + 0.5
     assert t["launch_to_last_record_s"] == pytest.approx(t["launch_to_release_s"] + t["release_to_last_record_s"])
+
+
+def _train_texts(data_dir: str) -> list[str]:
+    """The train split's documents in MANIFEST order, read with pyarrow directly."""
+    import pyarrow.parquet as pq
+
+    root = Path(data_dir)
+    shards = json.loads((root / "MANIFEST.json").read_text())["splits"]["train"]["shards"]
+    return [t for sh in shards for t in pq.read_table(root / sh["path"], columns=["text"]).column(0).to_pylist()]
 
 
 # the default SGD loop, first writing who started this rank (its parent's command line)

@@ -24,13 +24,17 @@ HEADER_RGB = (0x1D, 0x35, 0x57)  # base.html's header
 LINE_RGB = (0x1F, 0x77, 0xB4)  # matplotlib's C0: the plotted curve
 
 
-def learning(bpb: float, delta: float, n: int = 600) -> EvalResult:
+REFERENCE = {"bytes": 3999, "text_sha256": "ab" * 32, "zstd-19": 2.5, "xz-9e": 2.25, "gzip-9": 3.0}
+
+
+def learning(bpb: float, delta: float, n: int = 600, reference: dict | None = None) -> EvalResult:
     """A scored result whose curve falls like a learning run's: nats per target 1.5 + 4 exp(-j/150)."""
     r = scored(bpb, delta)
     m = copy.deepcopy(r.manifest.to_json_dict())
     m["curve"] = {"nats_per_target": [1.5 + 4 * math.exp(-j / 150) for j in range(n)],
                   "cumulative_targets": [64 * (j + 1) for j in range(n)],
                   "cumulative_bytes": [250 * (j + 1) for j in range(n)]}
+    m["reference_codes"] = reference
     return r.model_copy(update={"manifest": RunManifest.model_validate(m)})
 
 
@@ -39,7 +43,7 @@ def site(tmp_path_factory):
     with live_server(tmp_path_factory.mktemp("site")) as (base, app):
         store = app.state.store
         first = _add(store, "alice", "a", learning(1.90, 0.10))
-        best = _add(store, "bob", "a", learning(1.42, 0.30), variant_of=first)
+        best = _add(store, "bob", "a", learning(1.42, 0.30, reference=REFERENCE), variant_of=first)
         f = EvalFailure("contract", "<script>alert(1)</script> no batch was scored").to_dict()
         m = early_manifest(f, bundle_path="/b", seed=1, findings=[], profile=None, version="0.1.0")
         bad = _add(store, "carol", "c", EvalResult(status=m.status, kind="submission", failure=m.failure,
@@ -64,6 +68,15 @@ def test_the_submission_page_shows_scores_plot_and_escapes_messages(site):
     base, ids = site
     page = httpx.get(f"{base}/submissions/{ids['best']}").text
     assert "completed" in page and "1.420000" in page and f'src="/submissions/{ids["best"]}/curve.png"' in page
+    # the reference compressors on the same bytes, and the model's bpb minus the best (1.42 - 2.25)
+    assert "same 3,999 scored bytes" in page and "prequential bpb − xz-9e" in page and "-0.8300" in page
+    assert all(f"<th>{n} bpb</th><td class=\"num\">{v}</td>" in page
+               for n, v in (("zstd-19", "2.5000"), ("xz-9e", "2.2500"), ("gzip-9", "3.0000")))
+    assert httpx.get(f"{base}/v1/submissions/{ids['best']}").json()["scores"]["reference_codes"] == {
+        "bytes": 3999, "codes": {"zstd-19": 2.5, "xz-9e": 2.25, "gzip-9": 3.0}, "best": "xz-9e",
+        "bpb_minus_best": pytest.approx(1.42 - 2.25)}
+    first = httpx.get(f"{base}/submissions/{ids['first']}").text  # a manifest without them
+    assert "1.900000" in first and "Reference compressors" not in first
     bad = httpx.get(f"{base}/submissions/{ids['bad']}").text
     assert "<script>alert(1)</script>" not in bad and "&lt;script&gt;alert(1)&lt;/script&gt;" in bad
     assert "stage <b>contract</b>, kind <b>submission</b>" in bad and "curve.png" not in bad

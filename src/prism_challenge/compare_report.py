@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from importlib import resources
@@ -25,11 +26,16 @@ from prism_challenge.compare import (
     warnings,
 )
 from prism_challenge.crown import DEFAULT_SIGNIFICANCE_P
+from prism_challenge.data.refcodes import CODECS, against_best
 
-HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop")
-CONSOLE_HIDDEN = ("tokenizer", "bytes")  # in the group's key line, and in the HTML report
+HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop",
+           *CODECS, "bpb − best ref")
+# in the group's key line and its reference line (:func:`reference_lines`), and in the HTML report
+CONSOLE_HIDDEN = ("tokenizer", "bytes", *CODECS, "bpb − best ref")
 LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequential_bpb, lower is better "
-          "(ranked on it first); Δ held-out: heldout_delta (bpb)")
+          "(ranked on it first); Δ held-out: heldout_delta (bpb); reference codes: the bits per byte of "
+          + ", ".join(CODECS) + " on the same scored bytes; bpb − best: the model's bpb minus the best of "
+          "them (negative: the model codes the text in fewer bits than every one)")
 
 
 def key_text(group: Group) -> str:
@@ -40,6 +46,36 @@ def key_text(group: Group) -> str:
     return "; ".join(f"{k}: {short(v)}" for k, v in group.key.items())
 
 
+def reference_cells(bpb: float, record: dict[str, Any] | None) -> tuple[str, ...]:
+    """The reference-code cells of a row: one per compressor, and ``bpb`` minus the best
+    (``+1.6857 xz-9e``); ``-`` in each without a record."""
+    if not record:
+        return ("-",) * (len(CODECS) + 1)
+    best, diff = against_best(bpb, record)
+    return (*(f"{record[n]:.4f}" for n in CODECS), f"{diff:+.4f} {best}")
+
+
+def reference_lines(group: Group) -> list[str]:
+    """The console's reference lines of a group: one per distinct ``reference_codes`` record
+    (runs on the same bytes share one), its codes and each of its runs' bpb minus the best, e.g.
+    ``reference codes of the same 67,892 scored bytes (bpb): zstd-19 2.4558 · xz-9e 2.4279 ·
+    gzip-9 2.5919; bpb − xz-9e: tiny +1.6857``."""
+    by: dict[str, list[Run]] = {}
+    for r in group.runs:
+        record = r.manifest.get("reference_codes")
+        if record:
+            by.setdefault(json.dumps(record, sort_keys=True), []).append(r)
+    out = []
+    for key, runs in by.items():
+        record = json.loads(key)
+        best = against_best(0.0, record)[0]
+        diffs = ", ".join(f"{r.label} {against_best(r.manifest['score']['prequential_bpb'], record)[1]:+.4f}"
+                          for r in runs)
+        out.append(f"reference codes of the same {record['bytes']:,} scored bytes (bpb): "
+                   + " · ".join(f"{n} {record[n]:.4f}" for n in CODECS) + f"; bpb − {best}: {diffs}")
+    return out
+
+
 def rows(group: Group) -> list[tuple[str, ...]]:
     """The table rows of a ranked group (strings, in :data:`HEADERS` order)."""
     out = []
@@ -47,10 +83,11 @@ def rows(group: Group) -> list[tuple[str, ...]]:
         m, v = r.manifest, r.manifest.get("verdict") or {}
         delta = (v.get("heldout") or {}).get("heldout_delta")
         fs = v.get("final_score")
-        out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{m['score']['prequential_bpb']:.6f}",
+        bpb = m["score"]["prequential_bpb"]
+        out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{bpb:.6f}",
                     "-" if delta is None else f"{delta:.4f}", ", ".join(r.entry()["flags"]) or "-",
                     str(m.get("seed")), (m.get("tokenizer") or {}).get("name", "?"), f"{m['score']['bytes']:,}",
-                    (m.get("stream") or {}).get("stop_reason", "?")))
+                    (m.get("stream") or {}).get("stop_reason", "?"), *reference_cells(bpb, m.get("reference_codes"))))
     return out
 
 
@@ -109,6 +146,8 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
         for row in rows(g):
             t.add_row(*(escape(row[i]) for i in shown))
         console.print(t)
+        for line in reference_lines(g):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         reps = repeat_rows(g)
         if reps:
             rt = Table(title=f"group {n}: seed repeats (std: sample, ddof=1)", box=box.SIMPLE_HEAD)

@@ -47,6 +47,7 @@ from prism_challenge.certificate import CertificateError, load_private_key, sign
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
+from prism_challenge.data.refcodes import Background as RefCodes
 from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator.feeder import Feeder, FeederResult, StepRecord
 from prism_challenge.evaluator.interface import context_values
@@ -576,9 +577,11 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         state_path.parent.mkdir(exist_ok=True)
         torch.save(result.state, state_path)
 
-    # 5. the audit and the held-out evaluation (bounded, sandboxed, fresh processes), the verdict
+    # 5. the audit and the held-out evaluation (bounded, sandboxed, fresh processes), the verdict;
+    # meanwhile, on a thread, the reference compressors' code lengths of the scored bytes
     verdict = None
     audit = None
+    refcodes = RefCodes(data, score.bytes) if score is not None and failure is None else None
     if score is not None and failure is None:
         try:
             with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
@@ -606,6 +609,11 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             sandbox.jail.close()  # no spare child (Jail.warm) outlives the run
     if control.cancelled and failure is None:  # cancelled during the held-out stage
         failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
+    reference_codes = None
+    if refcodes is not None and failure is None:
+        reference_codes = refcodes.result(lambda: control.cancelled)
+        if control.cancelled:  # cancelled while the compressors ran
+            failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
     t_done = time.monotonic()
 
     planted = discard_planted(artifacts)
@@ -632,6 +640,7 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["compute"]["gpu"] = gpu_record(stack, result.done)
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     manifest["audit"] = audit.to_dict() if audit is not None else None
+    manifest["reference_codes"] = reference_codes
     manifest["run_secret"] = key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
     with control.stage("manifest", check=False):
         manifest = _signed(manifest, signing_key)

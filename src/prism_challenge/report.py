@@ -71,6 +71,7 @@ def print_summary(console: Console, outcome) -> None:
     rows = [
         ("final_score (higher is better)", _fmt(v.get("final_score"), ".6f")),
         ("prequential_bpb (lower is better)", f"{s['prequential_bpb']:.6f}"),
+        ("reference codes, same bytes (bpb)", reference_text(m.get("reference_codes"), s["prequential_bpb"])),
         ("total bits", f"{s['total_bits']:,.1f}"),
         ("bytes scored", f"{s['bytes']:,}"),
         ("targets scored", f"{s['targets']:,}"),
@@ -110,7 +111,8 @@ def _profile(p) -> str:
 def summary_dict(outcome) -> dict[str, Any]:
     """The JSON summary of one run (``prism eval --json``): status, score, verdict figures, the
     settings that decide comparability, the revealed ``run_secret`` and the certificate's
-    ``signing_key_id`` (``None`` when absent), and the run directory, manifest and log paths."""
+    ``signing_key_id`` (``None`` when absent), the ``reference_codes`` record, and the run
+    directory, manifest and log paths."""
     m = outcome.manifest
     s, v = m.get("score") or {}, m.get("verdict") or {}
     ho = v.get("heldout") or {}
@@ -125,6 +127,7 @@ def summary_dict(outcome) -> dict[str, Any]:
         "heldout_delta": ho.get("heldout_delta"), "tail_bpb": v.get("tail_bpb"),
         "heldout_error": v.get("heldout_error"), "flags": v.get("flags", []),
         "bytes": s.get("bytes"), "tokens": (m.get("stream") or {}).get("tokens"),
+        "reference_codes": m.get("reference_codes"),
         "stop_reason": (m.get("stream") or {}).get("stop_reason"), "seed": m.get("seed"),
         "bundle_sha256": (m.get("bundle") or {}).get("sha256"), "profile": m.get("profile"),
         "budgets": m.get("budgets"), "world_size": (m.get("compute") or {}).get("world_size"),
@@ -164,6 +167,22 @@ def print_seed_stats(console: Console, stats: dict[str, Any]) -> None:
         console.print(f"failed (not in the statistics): seeds {stats['failed_seeds']}", highlight=False)
     for d in stats["run_dirs"]:
         console.print(f"run: {d}", markup=False, highlight=False, soft_wrap=True)
+
+
+def reference_text(record: dict[str, Any] | None, bpb: float | None) -> str:
+    """The reference compressors' code lengths of the scored bytes and the model's distance to
+    the best (:func:`~prism_challenge.data.refcodes.against_best`), e.g.
+    ``zstd-19 2.4558 · xz-9e 2.4279 · gzip-9 2.5919; model +1.6857 vs xz-9e``; ``-`` without a
+    record (a manifest before issue 29, or the codes could not be computed)."""
+    from prism_challenge.data.refcodes import CODECS, against_best
+
+    if not record:
+        return "-"
+    text = " · ".join(f"{name} {record[name]:.4f}" for name in CODECS)
+    if bpb is None:
+        return text
+    best, diff = against_best(bpb, record)
+    return f"{text}; model {diff:+.4f} vs {best}"
 
 
 def _fmt(x, spec: str = ".4f") -> str:

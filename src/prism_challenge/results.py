@@ -232,6 +232,23 @@ class Score(_Model):
     nonfinite_batches: Count
 
 
+class ReferenceCodes(_Model):
+    """What general-purpose compressors make of the text the run scored
+    (:mod:`prism_challenge.data.refcodes`): the first ``bytes`` bytes (``score.bytes``) of the
+    concatenation of the train split's documents' UTF-8 bytes in stream order, its sha256, and
+    each compressor's code length in bits per byte (``8 * compressed bytes / bytes``, the
+    prequential bpb's denominator): zstd at level 19, xz at preset ``9 | PRESET_EXTREME``, gzip
+    at level 9."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    bytes: Annotated[int, Field(gt=0)]
+    text_sha256: Sha256
+    zstd_19: Annotated[float, Field(ge=0, alias="zstd-19")]
+    xz_9e: Annotated[float, Field(ge=0, alias="xz-9e")]
+    gzip_9: Annotated[float, Field(ge=0, alias="gzip-9")]
+
+
 class Curve(_Model):
     """Per scored batch: nats per target, cumulative targets, cumulative bytes (equal lengths)."""
 
@@ -456,6 +473,7 @@ class RunManifest(_Model):
     model: ModelInfo | None = None
     stream: Stream | None = None
     score: Score | None = None
+    reference_codes: ReferenceCodes | None = None  # scored runs; absent before issue 29
     curve: Curve | None = None
     timing: Timing | None = None
     discarded_files: list[str] = Field(default_factory=list)

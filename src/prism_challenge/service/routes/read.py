@@ -7,6 +7,7 @@ import math
 
 from fastapi import APIRouter, Path, Request
 
+from prism_challenge.data.refcodes import CODECS, against_best
 from prism_challenge.service import findings as fnd
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.queries import hotkey_of, latest_run, scored_entries
@@ -43,7 +44,17 @@ def _scores(manifest: dict | None) -> dict | None:
     return {"prequential_bpb": v["prequential_bpb"], "final_score": v["final_score"], "tail_bpb": v["tail_bpb"],
             "heldout_delta": held.get("heldout_delta"), "val_bpb_trained": held.get("val_bpb_trained"),
             "anti_cheat_multiplier": v["anti_cheat_multiplier"], "memorization_penalty": v["memorization_penalty"],
-            "flags": v["flags"]}
+            "flags": v["flags"], "reference_codes": _reference(v["prequential_bpb"], manifest.get("reference_codes"))}
+
+
+def _reference(bpb: float, record: dict | None) -> dict | None:
+    """The run's reference code lengths (:mod:`prism_challenge.data.refcodes`): ``bytes``, ``codes``
+    (compressor: bpb on the same scored bytes), the ``best`` of them and ``bpb_minus_best``;
+    ``None`` for a manifest without them."""
+    if not record:
+        return None
+    best, diff = against_best(bpb, record)
+    return {"bytes": record["bytes"], "codes": {n: record[n] for n in CODECS}, "best": best, "bpb_minus_best": diff}
 
 
 def submission_view(request: Request, sid: int) -> dict:
@@ -104,7 +115,8 @@ def get_hotkey(request: Request, hotkey: str = Path(..., min_length=1, max_lengt
 
 @router.get("/v1/submissions/{sid}", summary="a submission: status, failure (stage, kind, rule), scores")
 def get_submission(request: Request, sid: int = SubmissionId) -> dict:
-    """The submission's state, its failure if any and its scores once completed."""
+    """The submission's state, its failure if any and its scores once completed (with the
+    reference compressors' code lengths of the same scored bytes, ``scores.reference_codes``)."""
     return submission_view(request, sid)
 
 
