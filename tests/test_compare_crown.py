@@ -131,3 +131,20 @@ def test_the_plot_names_runs_by_bundle_and_seed_and_bands_each_bundle(runs):
     d = RunCurve("d", [10, 1000], [0.0] * 2, [4.0, 2.0])
     x, mean, _ = group_band([RunCurve("e", [10, 100, 1000], [0.0] * 3, [4.0, 3.0, 2.0]), d])
     assert mean.tolist() == pytest.approx([4.0, 3.0, 2.0])
+
+
+def test_a_narrow_console_cuts_no_name_and_prints_no_python_dict(tmp_path, capsys, monkeypatch):
+    """At 80 columns the per-run table names runs by bundle and seed, never cut inside a word, with
+    each run's directory below; the budgets read as words (issue 30's frictions)."""
+    for i, bpb in enumerate(ALPHA):
+        d = run(tmp_path, "tiny-1m", i + 1, bpb, i)
+        d.rename(tmp_path / f"20261206-03193{i}-tiny-1m-d544fde8")
+    run(tmp_path, "gamma", 7, 0.5, 20, tokens=1000)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["compare", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines() if "token_budget" in line or "loop_stopped" in line) <= 80
+    assert sum("token_budget" in line.split() for line in out.splitlines()) >= 3  # the stop column whole
+    for i in range(3):  # each run named by bundle and seed, its directory on a line of its own
+        assert f"  tiny-1m · seed {i + 1}: 20261206-03193{i}-tiny-1m-d544fde8" in out
+    assert "budgets: token_budget 4,000" in out.replace("\n", " ") and "{'token_budget'" not in out

@@ -41,6 +41,10 @@ LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequent
 def key_text(group: Group) -> str:
     """The group's comparability key, one ``field: value`` after another (shas shortened)."""
     def short(v: Any) -> str:
+        if isinstance(v, dict):  # budgets: "token_budget 20,000", never a Python dict
+            return ", ".join(f"{k} {short(x)}" for k, x in v.items()) or "none"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
         return v[:12] if isinstance(v, str) and len(v) == 64 else str(v)
 
     return "; ".join(f"{k}: {short(v)}" for k, v in group.key.items())
@@ -126,6 +130,11 @@ def crown_shown(rows_: Sequence[CrownRow]) -> bool:
     return len(rows_) > 1 or any(r.ranked.n > 1 for r in rows_)
 
 
+def _width(cells: Sequence[tuple[str, ...]], shown: Sequence[int]) -> int:
+    """Columns a table of ``cells`` needs with no cell folded (one space each side of a cell)."""
+    return sum(2 + max([len(HEADERS[i])] + [len(r[i]) for r in cells]) for i in shown)
+
+
 def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: float = DEFAULT_SIGNIFICANCE_P) -> None:
     """The console report: warnings, then per group its key, ranked table, seed repeats and the
     crown table of its bundles (significance level ``p``)."""
@@ -138,14 +147,26 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
     console.print(LEGEND, highlight=False, soft_wrap=True)
     for n, g in enumerate(groups, 1):
         t = Table(title=f"group {n}, ranked as the challenge ranks (prism_challenge.verdict.rank)",
-                  caption=escape(key_text(g)), caption_justify="left", box=box.SIMPLE_HEAD)
+                  caption=escape(key_text(g)), caption_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
         shown = [i for i, h in enumerate(HEADERS) if h not in CONSOLE_HIDDEN]
+        cells = rows(g)
+        names = None
+        if _width(cells, shown) > console.width:  # a narrow console: short names, the directories below
+            short = legend_names([g], p)
+            names = [(short[id(r)], r.label) for r in g.runs]
+            cells = [(c[0], name, *c[2:]) for c, (name, _) in zip(cells, names)]
         for i in shown:
             h = HEADERS[i]
-            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "seed"), min_width=12 if h == "run" else None)
-        for row in rows(g):
+            # a run's name and its stop reason are never cut mid-word; flags wrap at their commas
+            widest = max((len(r[i]) for r in cells), default=0)
+            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "seed"),
+                         min_width=widest if h == "stop" or (h == "run" and names is None) else None)
+        for row in cells:
             t.add_row(*(escape(row[i]) for i in shown))
         console.print(t)
+        for name, label in names or ():
+            console.print(f"  {name}: {label}", markup=False, highlight=False, soft_wrap=True)
         for line in reference_lines(g):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         reps = repeat_rows(g)
