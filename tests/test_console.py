@@ -87,3 +87,12 @@ def test_warnings_name_every_field_that_differs():
     assert ws[0] == "2 groups of runs that are not comparable; each is ranked on its own"
     assert [w.split(" differs")[0] for w in ws[1:]] == ["data", "world size"]
     assert comparability({**a, "budgets": {"byte_budget": 5}})["tokenizer basis"] == "bytes (any tokenizer)"
+
+
+def test_a_one_batch_curve_is_drawn_as_a_point():
+    """A run of one batch has one point per curve: drawn with a marker, not as an empty chart."""
+    one = {"nats_per_target": [2.0], "cumulative_targets": [10], "cumulative_bytes": [40]}
+    fig = learning_curve_figure([run_curve({"curve": one}, "one")])
+    thick = [ln for ln in fig.axes[0].get_lines() if ln.get_label().startswith("one")]
+    assert len(thick) == 1 and thick[0].get_marker() == "o"
+    assert list(thick[0].get_xdata()) == [40] and list(thick[0].get_ydata()) == [2.0 * 10 / math.log(2) / 40]

@@ -105,6 +105,7 @@ def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learni
     for curve, (colour, style) in zip(curves, colours):
         ax.plot(curve.cumulative_bytes, curve.batch_bpb, color=colour, linewidth=0.8, alpha=0.35)
         ax.plot(curve.cumulative_bytes, curve.cumulative_bpb, color=colour, linewidth=2.2, linestyle=style,
+                marker="o" if len(curve.cumulative_bytes) == 1 else None,  # one batch: a point, not nothing
                 label=f"{curve.label}  ({curve.cumulative_bpb[-1]:.4f})")
     banded = False
     for k in order:
