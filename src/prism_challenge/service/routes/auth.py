@@ -61,8 +61,10 @@ def signed_headers(request: Request, window_s: int, prefix: int = SS58_PREFIX,
     timestamp = int(raw)
     now = time.time() if now is None else now
     if abs(now - timestamp) > window_s:
-        raise ApiError(401, "stale-timestamp", f"X-Timestamp {timestamp} is {now - timestamp:+.0f} s from the "
-                       f"service's clock: outside the {window_s} s window", stage="auth", rule="prism:timestamp-window")
+        skew = timestamp - now  # > 0: the request's clock is ahead of the service's
+        raise ApiError(401, "stale-timestamp", f"X-Timestamp {timestamp} is {abs(skew):.0f} s "
+                       f"{'ahead of' if skew > 0 else 'behind'} the service's clock: outside the {window_s} s window",
+                       stage="auth", rule="prism:timestamp-window")
     return hotkey, signature, nonce, timestamp
 
 
