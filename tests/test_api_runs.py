@@ -222,3 +222,21 @@ def test_prism_eval_writes_manifests_the_models_accept(tmp_path, capsys, seq_len
     if status == "scored":
         assert summary["prequential_bpb"] == manifest.score.prequential_bpb
         assert summary["final_score"] == manifest.verdict.final_score
+
+
+def test_prism_eval_json_lists_the_findings_of_a_refused_bundle(tmp_path, capsys):
+    """A bundle the gates refuse: ``--json`` carries each blocking finding, as ``prism check`` has it."""
+    import shutil
+
+    from prism_challenge.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(TRIVIAL, bundle)
+    training = bundle / "training.py"
+    lines = training.read_text().splitlines()
+    training.write_text("\n".join([*lines, "import subprocess"]) + "\n")
+    assert main(["eval", str(bundle), "--json", "--no-progress", "--out", str(tmp_path / "run")]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["failure"]["stage"] == "gates" and out["run_dir"] is None
+    assert [f for f in out["findings"] if f["blocking"]] == [{"rule": "prism:no-process", "file": "training.py", "line": len(lines) + 1, "col": 1,
+                                "message": "import subprocess: module 'subprocess' is blocked", "blocking": True}]

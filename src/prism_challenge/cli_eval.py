@@ -301,9 +301,12 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
     if result.run_dir is None:  # stopped before a run directory existed: a bad command line exits 2
         print_failure(err, failure)
         code = EXIT_USAGE if failure.stage == USAGE_STAGE else EXIT_FAILED
+        gates = result.manifest.gates if result.manifest is not None else None
         return code, {"status": result.status, "exit_code": code, "seed": opts.seed, "run_dir": None,
                       "manifest": None, "failure": {"stage": failure.stage, "message": failure.message,
-                                                    "kind": failure.kind}}
+                                                    "kind": failure.kind},
+                      # a refused bundle: each finding (file, line, col, rule, message), as prism check lists them
+                      "findings": [f.model_dump(mode="json") for f in gates.findings] if gates else []}
     outcome = SimpleNamespace(manifest=result.manifest.to_json_dict(), run_dir=Path(result.run_dir))
     memory_warning = (outcome.manifest.get("isolation") or {}).get("memory_warning")
     if memory_warning:  # CUDA on a host without a cgroup v2 memory controller (evaluator/jail.py)
