@@ -22,11 +22,13 @@ from prism_challenge.compare import (
     variant,
     warnings,
 )
+from prism_challenge.flops import flops_text
 
-HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop")
+HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "flags", "seed", "tokenizer", "bytes", "stop")
 CONSOLE_HIDDEN = ("tokenizer", "bytes")  # in the group's key line, and in the HTML report
 LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequential_bpb, lower is better "
-          "(ranked on it first); Δ held-out: heldout_delta (bpb)")
+          "(ranked on it first); Δ held-out: heldout_delta (bpb); train FLOPs: compute.training_flops_estimate "
+          "(3 x the scoring forward's FLOPs, counted by the audit; information, not ranked)")
 
 
 def key_text(group: Group) -> str:
@@ -45,7 +47,9 @@ def rows(group: Group) -> list[tuple[str, ...]]:
         delta = (v.get("heldout") or {}).get("heldout_delta")
         fs = v.get("final_score")
         out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{m['score']['prequential_bpb']:.6f}",
-                    "-" if delta is None else f"{delta:.4f}", ", ".join(v.get("flags", [])) or "-",
+                    "-" if delta is None else f"{delta:.4f}",
+                    flops_text((m.get("compute") or {}).get("training_flops_estimate")),
+                    ", ".join(v.get("flags", [])) or "-",
                     str(m.get("seed")), (m.get("tokenizer") or {}).get("name", "?"), f"{m['score']['bytes']:,}",
                     (m.get("stream") or {}).get("stop_reason", "?")))
     return out
@@ -79,7 +83,8 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run]) -> Non
         shown = [i for i, h in enumerate(HEADERS) if h not in CONSOLE_HIDDEN]
         for i in shown:
             h = HEADERS[i]
-            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "seed"), min_width=12 if h == "run" else None)
+            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "seed"),
+                         min_width=12 if h == "run" else None)
         for row in rows(g):
             t.add_row(*(escape(row[i]) for i in shown))
         console.print(t)
@@ -103,9 +108,11 @@ def _table_html(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
 
 
-def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes | None) -> str:
+def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes | None,
+                compute_svg: bytes | None = None) -> str:
     """One self-contained HTML file: warnings, each group's ranked table and seed repeats, failed
-    runs, and the learning-curve plot as inline SVG (template: ``templates/compare.html``)."""
+    runs, the learning-curve plot and the bpb-against-training-FLOPs plot as inline SVG
+    (template: ``templates/compare.html``)."""
     parts = [f'<p class="warn">WARNING: {html.escape(w)}</p>' for w in warnings(groups)]
     parts.append(f"<p class='note'>{html.escape(LEGEND)}</p>")
     for n, g in enumerate(groups, 1):
@@ -122,6 +129,9 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
     if plot_svg:
         svg = plot_svg.decode("utf-8")
         parts.append("<h2>Learning curves</h2><div class='plot'>" + svg[svg.index("<svg"):] + "</div>")
+    if compute_svg:
+        svg = compute_svg.decode("utf-8")
+        parts.append("<h2>bpb against training FLOPs</h2><div class='plot'>" + svg[svg.index("<svg"):] + "</div>")
     template = (resources.files("prism_challenge") / "templates" / "compare.html").read_text()
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return template.replace("{{generated}}", html.escape(stamp)).replace("{{body}}", "\n".join(parts))
@@ -135,7 +145,9 @@ def add_compare_parser(sub: Any) -> None:
                        "data MANIFEST, tokenizer basis, budgets or world size) and summarising seed repeats.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, folders of runs, or globs (prism-runs/*)")
     p.add_argument("--plot", metavar="FILE", help="write the learning curves (bpb against bytes scored): .png or .svg")
-    p.add_argument("--html", metavar="FILE", help="write one HTML file with the tables and the plot")
+    p.add_argument("--plot-compute", metavar="FILE",
+                   help="write prequential bpb against the estimated training FLOPs of each run: .png or .svg")
+    p.add_argument("--html", metavar="FILE", help="write one HTML file with the tables and the plots")
     p.set_defaults(func=cmd_compare)
 
 
@@ -143,12 +155,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run ``prism compare``; returns 0, or 2 for run directories or a plot name that cannot be used."""
     from rich.console import Console
 
-    from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
+    from prism_challenge.plots import (
+        PlotError,
+        compute_figure,
+        compute_point,
+        figure_bytes,
+        learning_curve_figure,
+        run_curve,
+        save_figure,
+    )
 
     console, err = Console(), Console(stderr=True)
     try:
-        if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
-            raise PlotError(f"--plot {args.plot}: the file name must end in .png or .svg")
+        for flag, name in (("--plot", args.plot), ("--plot-compute", getattr(args, "plot_compute", None))):
+            if name and Path(name).suffix.lower() not in (".png", ".svg"):
+                raise PlotError(f"{flag} {name}: the file name must end in .png or .svg")
         runs = load_runs(find_runs(args.runs))
         groups = group_runs(runs)
         failed = [r for r in runs if not r.scored]
@@ -158,8 +179,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                     colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)
+        pts = [(compute_point(r.manifest, r.label), variant(r.manifest)) for r in shown]
+        pts = [(pt, k) for pt, k in pts if pt is not None]  # runs without a FLOP count are left out
+        cfig = compute_figure([pt for pt, _ in pts], colour_by=[k for _, k in pts]) if pts else None
+        if getattr(args, "plot_compute", None):
+            if cfig is None:
+                raise PlotError(f"--plot-compute {args.plot_compute}: no scored run records its training FLOPs")
+            console.print(f"plot: {save_figure(cfig, args.plot_compute, '--plot-compute')}", markup=False,
+                          highlight=False, soft_wrap=True)
         if args.html:
-            Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None))
+            Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None,
+                                                   figure_bytes(cfig, "svg") if cfig else None))
             console.print(f"report: {args.html}", markup=False, highlight=False, soft_wrap=True)
     except (CompareError, PlotError, OSError) as exc:
         from rich.markup import escape

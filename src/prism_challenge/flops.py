@@ -226,3 +226,10 @@ def run_spent(audit: Any, steps: Sequence[Any], *, stream_wall_s: float | None, 
         forward, secs, error = checked(audit.flops, list(counts))
     return spent(forward, counts, stream_wall_s=stream_wall_s, run_wall_s=run_wall_s, world_size=world_size,
                  count_s=secs, error=error)
+
+
+def flops_text(flops: float | None) -> str:
+    """A FLOP count in three significant digits, ``1.25e11`` (``"-"``: none)."""
+    if flops is None:
+        return "-"
+    return f"{flops:.3g}".replace("e+", "e")
