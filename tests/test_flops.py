@@ -201,3 +201,89 @@ def test_a_real_run_records_the_hand_counted_flops_whatever_its_loop_does(tmp_pa
     row = next(line for line in console.export_text().splitlines() if "training FLOPs (estimate)" in line)
     assert f"│ {flops_text(c['training_flops_estimate'])} (3 x the scoring forward's" in row
     assert f"; {c['device_seconds']:.1f} device-seconds" in row
+
+
+# -- prism compare ---------------------------------------------------------------------------------
+def _scored(seed, bpb, flops, sha):
+    return {"schema": "prism.run.v2", "status": "scored", "seed": seed, "created_at": f"2026-01-0{seed}T00:00:00+00:00",
+            "bundle": {"sha256": sha, "path": f"/x/{sha[:2]}"}, "data": {"manifest_sha256": "d" * 64},
+            "tokenizer": {"name": "gpt2"}, "budgets": {"token_budget": 100},
+            "compute": {"world_size": 1, "device": "cpu", "training_flops_estimate": flops},
+            "config": {"sequence_length": 256}, "stream": {"stop_reason": "token_budget"},
+            "score": {"prequential_bpb": bpb, "bytes": 300},
+            "curve": {"nats_per_target": [5.0, 4.0], "cumulative_targets": [10, 30], "cumulative_bytes": [20, 50]},
+            "verdict": {"final_score": 1 / (1 + bpb), "anti_cheat_multiplier": 1.0, "memorization_penalty": 1.0,
+                        "flags": []}}
+
+
+def test_compare_shows_the_training_flops_and_plots_bpb_against_them(tmp_path, capsys):
+    import re
+
+    from prism_challenge.cli import main
+    from prism_challenge.plots import compute_figure, compute_point
+
+    runs = {"big": _scored(1, 3.5, 124703174160, "a" * 64), "small": _scored(2, 4.0, 6_000_000, "b" * 64),
+            "old": _scored(3, 4.5, None, "c" * 64)}  # a manifest from before issue 29: no figure
+    for name, m in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "prism_run_manifest.v2.json").write_text(json.dumps(m))
+    svg, page = tmp_path / "c.svg", tmp_path / "r.html"
+    code = main(["compare", str(tmp_path / "big"), str(tmp_path / "small"), str(tmp_path / "old"),
+                 "--plot-compute", str(svg), "--html", str(page)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "train FLOPs" in out and "1.25e11" in out and "6e06" in out
+    text = page.read_text()
+    assert "<td>1.25e11</td>" in text and "<td>6e06</td>" in text and "bpb against training FLOPs" in text
+    # one marker per run with a figure, at (FLOPs, bpb): the old run is left out of the plot
+    assert compute_point(runs["old"], "old") is None
+    pts = [compute_point(runs[k], k) for k in ("big", "small")]
+    fig = compute_figure(pts)
+    offsets = sorted(tuple(c.get_offsets()[0]) for c in fig.axes[0].collections)
+    assert offsets == [(6_000_000, 4.0), (124703174160, 3.5)]
+    assert fig.axes[0].get_xscale() == "log"
+    assert "<svg" in svg.read_text()
+    assert main(["compare", str(tmp_path / "old"), "--plot-compute", str(tmp_path / "o.png")]) == 2
+    assert "no scored run records its training FLOPs" in capsys.readouterr().err
+
+
+def test_the_feeder_records_each_ranks_slice_shape_of_every_scored_step(tmp_path):
+    from test_feeder import FakeRunner, early, make_feeder, wait_done
+
+    f = make_feeder(tmp_path, world_size=2)  # 1000 tokens in slices of up to 3 rows of 10
+    r0, r1 = FakeRunner(f, 0), FakeRunner(f, 1)
+    x0, x1, step, served = r0.next(3, 10), r1.next(3, 10), 0, []
+    while x0 is not None and x1 is not None:
+        served.append([x0.shape, x1.shape])
+        early(r0, step, 1.0, 3, 10)
+        early(r1, step, 1.0, 3, 10)
+        x0, x1, step = r0.take(), r1.take(), step + 1
+    for r in (r0, r1):
+        protocol_done(r)
+    assert wait_done(f)
+    res = f.finish()
+    assert res.error is None and len(res.steps) == len(served) == 19
+    assert served[-1] == [(1, 10), (2, 10)]  # the last global batch: 3 rows split 1 | 2
+    assert shape_counts(s.shapes for s in res.steps) == shape_counts(served) == {"1x10": 1, "2x10": 1, "3x10": 36}
+
+
+def protocol_done(runner):
+    from prism_challenge.evaluator import protocol
+    from prism_challenge.evaluator.protocol import Kind
+
+    protocol.send(runner.sock, Kind.DONE, {})
+
+
+def test_only_the_first_rescoring_child_counts_the_flops():
+    import numpy as np
+
+    from prism_challenge.rescore import Job, job_config
+
+    jobs = [Job(step, 0, i, np.zeros((2, 4), dtype=np.int64), [(0, 1)]) for i, step in enumerate((0, 5, 9))]
+    config = {"seed": 1, "flop_shapes": ["2x4"]}
+    first = job_config(config, jobs[:1], [0], "rescore", first=True)
+    assert first["flop_shapes"] == ["2x4"] and first["jobs"] == [{"step": 0, "rank": 0, "state": 0, "picks": [(0, 1)]}]
+    later = job_config(config, jobs[1:], [1, 2], "rescore", first=False)
+    assert "flop_shapes" not in later and [j["state"] for j in later["jobs"]] == [0, 1]
+    assert "flop_shapes" not in job_config(config, jobs, [0, 1, 2], "blind", first=True)
+    assert config["flop_shapes"] == ["2x4"]  # the run's config is left as it was

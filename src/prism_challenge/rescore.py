@@ -226,6 +226,19 @@ def child_argv(device: str = "cpu") -> list[str]:
     return [*CHILD_ARGV, "--device", "cuda"] if str(device).startswith("cuda") else list(CHILD_ARGV)
 
 
+def job_config(config: dict[str, Any], jobs: list[Job], group: list[int], mode: str, *, first: bool
+                 ) -> dict[str, Any]:
+    """The config one ``mode`` child reads: ``config``, the mode and its ``jobs`` (``state``
+    indexed within ``group``, the child's snapshots). ``flop_shapes`` stays only in the first
+    re-scoring child's (``first``): the FLOPs are counted once per run (:mod:`~prism_challenge.flops`)."""
+    index = {s: i for i, s in enumerate(group)}
+    child = {**config, "mode": mode,
+             "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in jobs]}
+    if mode != "rescore" or not first:
+        child.pop("flop_shapes", None)
+    return child
+
+
 def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str,
               per_child: int | None = None, expect: Sequence[str | None] | None = None
               ) -> list[tuple[str, int, Any]]:
@@ -238,11 +251,7 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
         mine = [j for j in jobs if j.state in group]
         if not mine:
             continue
-        index = {s: i for i, s in enumerate(group)}
-        child = {**config, "mode": mode,
-                 "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
-        if mode != "rescore" or out:  # the FLOPs are counted once, by the first re-scoring child (flops)
-            child.pop("flop_shapes", None)
+        child = job_config(config, mine, group, mode, first=not out)
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
 
         def payload(child=child, batches=batches, group=group) -> SnapshotFeed:
