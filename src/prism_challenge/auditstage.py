@@ -152,8 +152,8 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
             if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
                 filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
             shapes = list(shape_counts(s.shapes for s in result.steps))  # counted by the first re-scoring child
-            report = run_audit({**config, "flop_shapes": shapes}, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
-                               batch_s=seconds_per_batch(result),
+            report = run_audit({**config, "flop_shapes": shapes}, result.audits, jail=jail, world_size=world_size,
+                               filler=filler, key=key, batch_s=seconds_per_batch(result),
                                timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
         finally:
             jail.drop_spare(argv, writable=writable)  # no audited batch had a snapshot: never fed

@@ -9,8 +9,11 @@
   batch. The figure is never taken from the ranks nor from anything the loop says, so nothing the
   loop does in its own process changes it.
 * ``training_flops_estimate``: :data:`TRAINING_FLOPS_FACTOR` times the forward FLOPs summed
-  over every rank slice the stream scored (``batches_per_shape``); the harness's own scoring
-  forwards (1x, under ``no_grad``) and probe forwards are not in it.
+  over every rank slice the stream scored (``batches_per_shape``): one training step per scored
+  batch, at its shape, on the model ``build_model`` builds. The harness's own scoring forwards
+  (1x, under ``no_grad``) and probe forwards are not in it, nor any work of the loop's beyond
+  that step (several passes per batch, a side model): that shows in the wall time and the
+  device-seconds, which the harness measures from outside the ranks.
 * ``stream_wall_s``: seconds from the gates' release (the loop's start, from which the
   wall-clock budget counts) to the last record; ``run_wall_s``: the whole run's seconds, from
   the call's start to the verdict; ``device_seconds``: ``stream_wall_s`` times the ranks (one
@@ -21,10 +24,10 @@ operators only (``mm``, ``addmm``, ``bmm``, ``baddbmm``, convolutions, the fused
 kernels: 2 FLOPs per multiply-add); elementwise operators, normalisations, softmax and embedding
 look-ups count zero, and fused attention is counted as full (not causal) attention. The CPU's
 fused attention kernel (``_scaled_dot_product_flash_attention_for_cpu``), absent from torch's
-table, is counted with torch's own formula for the flash kernel (:func:`_cpu_sdpa_mapping`). The count
-runs in a process that also runs submitted code: a model could in principle behave differently
-under the counter (it sees a dispatch mode). The count is information beside the score, never
-part of it.
+table, is counted with torch's own formula for the flash kernel (:func:`_cpu_sdpa_mapping`).
+The count runs in a process that also runs submitted code: a model could in principle behave
+differently under the counter (it sees a dispatch mode). The count is information beside the
+score, never part of it. (The ranks' import allow-list refuses ``torch.utils.flop_counter``.)
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def child_argv(device: str = "cpu") -> list[str]:
 
 
 def job_config(config: dict[str, Any], jobs: list[Job], group: list[int], mode: str, *, first: bool
-                 ) -> dict[str, Any]:
+               ) -> dict[str, Any]:
     """The config one ``mode`` child reads: ``config``, the mode and its ``jobs`` (``state``
     indexed within ``group``, the child's snapshots). ``flop_shapes`` stays only in the first
     re-scoring child's (``first``): the FLOPs are counted once per run (:mod:`~prism_challenge.flops`)."""

@@ -184,7 +184,9 @@ class Compute(_Model):
     """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...); ``launcher``:
     the agent that started the ranks (``"single"``: one rank under
     :mod:`~prism_challenge.evaluator.single`; ``"torchrun"``, also every manifest written before
-    that agent existed)."""
+    that agent existed). What the run spent (:mod:`~prism_challenge.flops`): FLOPs per rank
+    slice shape ``"BxT"``, the training estimate, wall seconds and device-seconds (``None``
+    before issue 29; ``flops_error`` says why a count is missing)."""
 
     torch_version: str
     python: str
