@@ -155,15 +155,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run ``prism compare``; returns 0, or 2 for run directories or a plot name that cannot be used."""
     from rich.console import Console
 
-    from prism_challenge.plots import (
-        PlotError,
-        compute_figure,
-        compute_point,
-        figure_bytes,
-        learning_curve_figure,
-        run_curve,
-        save_figure,
-    )
+    from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
 
     console, err = Console(), Console(stderr=True)
     try:
@@ -179,14 +171,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                     colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)
-        pts = [(compute_point(r.manifest, r.label), variant(r.manifest)) for r in shown]
-        pts = [(pt, k) for pt, k in pts if pt is not None]  # runs without a FLOP count are left out
-        cfig = compute_figure([pt for pt, _ in pts], colour_by=[k for _, k in pts]) if pts else None
-        if getattr(args, "plot_compute", None):
-            if cfig is None:
-                raise PlotError(f"--plot-compute {args.plot_compute}: no scored run records its training FLOPs")
-            console.print(f"plot: {save_figure(cfig, args.plot_compute, '--plot-compute')}", markup=False,
-                          highlight=False, soft_wrap=True)
+        cfig = _compute_plot(shown, getattr(args, "plot_compute", None), console)
         if args.html:
             Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None,
                                                    figure_bytes(cfig, "svg") if cfig else None))
@@ -197,6 +182,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
         err.print(f"[bold red]prism compare[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     return 0
+
+
+def _compute_plot(shown: Sequence[Run], path: str | None, console: Any) -> Any:
+    """The bpb-against-training-FLOPs figure of the runs that have a FLOP estimate (``None``:
+    none has), written to ``path`` when given.
+
+    Raises:
+        PlotError: ``path`` given and no run to draw, or a suffix other than ``.png`` or ``.svg``.
+    """
+    from prism_challenge.plots import PlotError, compute_figure, compute_point, save_figure
+
+    pts = [(compute_point(r.manifest, r.label), variant(r.manifest)) for r in shown]
+    pts = [(pt, k) for pt, k in pts if pt is not None]  # runs without a FLOP count are left out
+    fig = compute_figure([pt for pt, _ in pts], colour_by=[k for _, k in pts]) if pts else None
+    if path:
+        if fig is None:
+            raise PlotError(f"--plot-compute {path}: no scored run has a training FLOP estimate above 0 (a "
+                            "manifest before issue 29, a count that failed, or a model without matmuls)")
+        console.print(f"plot: {save_figure(fig, path, '--plot-compute')}", markup=False, highlight=False,
+                      soft_wrap=True)
+    return fig
 
 
 def png_data_uri(png: bytes) -> str:

@@ -126,8 +126,9 @@ class ComputePoint:
 
 
 def compute_point(manifest: Mapping[str, Any], label: str) -> ComputePoint | None:
-    """The :class:`ComputePoint` of a scored run manifest, ``None`` without a FLOP estimate (a run
-    before issue 29, or one whose count failed: ``compute.flops_error``) or without a score."""
+    """The :class:`ComputePoint` of a scored run manifest, ``None`` without a FLOP estimate above 0
+    (a run before issue 29, one whose count failed: ``compute.flops_error``, or a model without
+    matmuls, which the log scale cannot place) or without a score."""
     flops = (manifest.get("compute") or {}).get("training_flops_estimate")
     bpb = (manifest.get("score") or {}).get("prequential_bpb")
     if not isinstance(flops, int) or flops <= 0 or not isinstance(bpb, (int, float)):
