@@ -146,5 +146,5 @@ def test_a_narrow_console_cuts_no_name_and_prints_no_python_dict(tmp_path, capsy
     assert max(len(line) for line in out.splitlines() if "token_budget" in line or "loop_stopped" in line) <= 80
     assert sum("token_budget" in line.split() for line in out.splitlines()) >= 3  # the stop column whole
     for i in range(3):  # each run named by bundle and seed, its directory on a line of its own
-        assert f"  tiny-1m · seed {i + 1}: 20261206-03193{i}-tiny-1m-d544fde8" in out
+        assert f"  tiny-1m · seed {i + 1}: 20261206-03193{i}-tiny-1m-d544fde8 (train FLOPs " in out
     assert "budgets: token_budget 4,000" in out.replace("\n", " ") and "{'token_budget'" not in out

@@ -186,6 +186,9 @@ def test_compare_ranks_as_the_challenge_and_warns_on_other_data(tmp_path, capsys
     assert ET.parse(svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     text = page.read_text()
     assert text.count("<svg") == 1 and "WARNING: data differs" in text
+    # a bigram table is a look-up, no matmul: 0 FLOPs counted, so no point of bpb against FLOPs (log scale)
+    assert [m["compute"]["training_flops_estimate"] for m in manifests] == [0, 0, 0]
+    assert "bpb against training FLOPs" not in text
     assert [text.index(f"<td>{name}</td>") for name in order] == sorted(text.index(f"<td>{n}</td>") for n in order)
 
 

@@ -29,6 +29,7 @@ from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL, S
 from prism_challenge.evaluator.snapfile import snapshot_dtypes
 from prism_challenge.evaluator.snapshots import snapshot_name
 from prism_challenge.evaluator.statedict import StateError
+from prism_challenge.flops import shape_counts
 from prism_challenge.rescore import AuditReport, child_argv, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
@@ -131,7 +132,8 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     and ``import torch``, no submitted code) as soon as the empty folder exists, so its start-up
     overlaps the tokenizing of the probes' text; ``wall_s`` is the whole stage's, from before the
     folder is emptied until the inputs are written (``audited_batches``: the run's ``A``, for the
-    manifest).
+    manifest). The first re-scoring child also counts the forward FLOPs of every rank slice shape
+    the stream scored (``report.flops``, :mod:`~prism_challenge.flops`).
     """
     from prism_challenge.evaluator.isolation import IsolationError
 
@@ -149,8 +151,9 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
             filler, skipped = val_filler(data, tokenizer)
             if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
                 filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
-            report = run_audit(config, result.audits, jail=jail, world_size=world_size, filler=filler, key=key,
-                               batch_s=seconds_per_batch(result),
+            shapes = list(shape_counts(s.shapes for s in result.steps))  # counted by the first re-scoring child
+            report = run_audit({**config, "flop_shapes": shapes}, result.audits, jail=jail, world_size=world_size,
+                               filler=filler, key=key, batch_s=seconds_per_batch(result),
                                timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
         finally:
             jail.drop_spare(argv, writable=writable)  # no audited batch had a snapshot: never fed

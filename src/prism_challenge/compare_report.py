@@ -27,15 +27,17 @@ from prism_challenge.compare import (
 )
 from prism_challenge.crown import DEFAULT_SIGNIFICANCE_P
 from prism_challenge.data.refcodes import CODECS, against_best
+from prism_challenge.flops import flops_text
 
-HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop",
+HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "flags", "seed", "tokenizer", "bytes", "stop",
            *CODECS, "bpb − best ref")
 # in the group's key line and its reference line (:func:`reference_lines`), and in the HTML report
 CONSOLE_HIDDEN = ("tokenizer", "bytes", *CODECS, "bpb − best ref")
 LEGEND = ("score↑: final_score, higher is better (the score); bpb↓: prequential_bpb, lower is better "
-          "(ranked on it first); Δ held-out: heldout_delta (bpb); reference codes: the bits per byte of "
-          + ", ".join(CODECS) + " on the same scored bytes; bpb − best: the model's bpb minus the best of "
-          "them (negative: the model codes the text in fewer bits than every one)")
+          "(ranked on it first); Δ held-out: heldout_delta (bpb); train FLOPs: compute.training_flops_estimate "
+          "(3 x the scoring forward's FLOPs, counted by the audit; information, not ranked); reference codes: the "
+          "bits per byte of " + ", ".join(CODECS) + " on the same scored bytes; bpb − best: the model's bpb minus "
+          "the best of them (negative: the model codes the text in fewer bits than every one)")
 
 
 def key_text(group: Group) -> str:
@@ -89,7 +91,9 @@ def rows(group: Group) -> list[tuple[str, ...]]:
         fs = v.get("final_score")
         bpb = m["score"]["prequential_bpb"]
         out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{bpb:.6f}",
-                    "-" if delta is None else f"{delta:.4f}", ", ".join(r.entry()["flags"]) or "-",
+                    "-" if delta is None else f"{delta:.4f}",
+                    flops_text((m.get("compute") or {}).get("training_flops_estimate")),
+                    ", ".join(r.entry()["flags"]) or "-",
                     str(m.get("seed")), (m.get("tokenizer") or {}).get("name", "?"), f"{m['score']['bytes']:,}",
                     (m.get("stream") or {}).get("stop_reason", "?"), *reference_cells(bpb, m.get("reference_codes"))))
     return out
@@ -152,15 +156,16 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
         shown = [i for i, h in enumerate(HEADERS) if h not in CONSOLE_HIDDEN]
         cells = rows(g)
         names = None
-        if _width(cells, shown) > console.width:  # a narrow console: short names, the directories below
-            short = legend_names([g], p)
-            names = [(short[id(r)], r.label) for r in g.runs]
+        if _width(cells, shown) > console.width:  # a narrow console: short names; directories, FLOPs below
+            short, flops = legend_names([g], p), HEADERS.index("train FLOPs")
+            names = [(short[id(r)], f"{r.label} (train FLOPs {c[flops]})") for r, c in zip(g.runs, cells)]
             cells = [(c[0], name, *c[2:]) for c, (name, _) in zip(cells, names)]
+            shown = [i for i in shown if i != flops]
         for i in shown:
             h = HEADERS[i]
             # a run's name and its stop reason are never cut mid-word; flags wrap at their commas
             widest = max((len(r[i]) for r in cells), default=0)
-            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "seed"),
+            t.add_column(h, overflow="fold", no_wrap=h in ("#", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "seed"),
                          min_width=widest if h == "stop" or (h == "run" and names is None) else None)
         for row in cells:
             t.add_row(*(escape(row[i]) for i in shown))
@@ -199,9 +204,10 @@ def _table_html(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes | None,
-                p: float = DEFAULT_SIGNIFICANCE_P) -> str:
+                p: float = DEFAULT_SIGNIFICANCE_P, compute_svg: bytes | None = None) -> str:
     """One self-contained HTML file: warnings, each group's ranked table and seed repeats, failed
-    runs, and the learning-curve plot as inline SVG (template: ``templates/compare.html``)."""
+    runs, the learning-curve plot and the bpb-against-training-FLOPs plot as inline SVG
+    (template: ``templates/compare.html``)."""
     parts = [f'<p class="warn">WARNING: {html.escape(w)}</p>' for w in warnings(groups)]
     parts.append(f"<p class='note'>{html.escape(LEGEND)}</p>")
     for n, g in enumerate(groups, 1):
@@ -222,6 +228,9 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
     if plot_svg:
         svg = plot_svg.decode("utf-8")
         parts.append("<h2>Learning curves</h2><div class='plot'>" + svg[svg.index("<svg"):] + "</div>")
+    if compute_svg:
+        svg = compute_svg.decode("utf-8")
+        parts.append("<h2>bpb against training FLOPs</h2><div class='plot'>" + svg[svg.index("<svg"):] + "</div>")
     template = (resources.files("prism_challenge") / "templates" / "compare.html").read_text()
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return template.replace("{{generated}}", html.escape(stamp)).replace("{{body}}", "\n".join(parts))
@@ -237,7 +246,9 @@ def add_compare_parser(sub: Any) -> None:
                        "bpb with its 95 % interval.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, folders of runs, or globs (prism-runs/*)")
     p.add_argument("--plot", metavar="FILE", help="write the learning curves (bpb against bytes scored): .png or .svg")
-    p.add_argument("--html", metavar="FILE", help="write one HTML file with the tables and the plot")
+    p.add_argument("--plot-compute", metavar="FILE",
+                   help="write prequential bpb against the estimated training FLOPs of each run: .png or .svg")
+    p.add_argument("--html", metavar="FILE", help="write one HTML file with the tables and the plots")
     p.add_argument("--significance-p", type=float, default=DEFAULT_SIGNIFICANCE_P, metavar="P",
                    help=f"the crown rule's level (one-sided Welch t-test), in (0, 1); default {DEFAULT_SIGNIFICANCE_P}")
     p.set_defaults(func=cmd_compare)
@@ -267,8 +278,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         if not 0.0 < args.significance_p < 1.0:
             raise CompareError(f"--significance-p {args.significance_p}: must be in (0, 1)")
-        if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
-            raise PlotError(f"--plot {args.plot}: the file name must end in .png or .svg")
+        for flag, name in (("--plot", args.plot), ("--plot-compute", getattr(args, "plot_compute", None))):
+            if name and Path(name).suffix.lower() not in (".png", ".svg"):
+                raise PlotError(f"{flag} {name}: the file name must end in .png or .svg")
         runs = load_runs(find_runs(args.runs))
         groups = group_runs(runs)
         failed = [r for r in runs if not r.scored]
@@ -279,9 +291,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                     colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)
+        cfig = _compute_plot(shown, getattr(args, "plot_compute", None), console)
         if args.html:
             Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None,
-                                                  args.significance_p))
+                                                  args.significance_p, figure_bytes(cfig, "svg") if cfig else None))
             console.print(f"report: {args.html}", markup=False, highlight=False, soft_wrap=True)
     except (CompareError, PlotError, OSError) as exc:
         from rich.markup import escape
@@ -289,6 +302,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
         err.print(f"[bold red]prism compare[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     return 0
+
+
+def _compute_plot(shown: Sequence[Run], path: str | None, console: Any) -> Any:
+    """The bpb-against-training-FLOPs figure of the runs that have a FLOP estimate (``None``:
+    none has), written to ``path`` when given.
+
+    Raises:
+        PlotError: ``path`` given and no run to draw, or a suffix other than ``.png`` or ``.svg``.
+    """
+    from prism_challenge.plots import PlotError, compute_figure, compute_point, save_figure
+
+    pts = [(compute_point(r.manifest, r.label), variant(r.manifest)) for r in shown]
+    pts = [(pt, k) for pt, k in pts if pt is not None]  # runs without a FLOP count are left out
+    fig = compute_figure([pt for pt, _ in pts], colour_by=[k for _, k in pts]) if pts else None
+    if path:
+        if fig is None:
+            raise PlotError(f"--plot-compute {path}: no scored run has a training FLOP estimate above 0 (a "
+                            "manifest before issue 29, a count that failed, or a model without matmuls)")
+        console.print(f"plot: {save_figure(fig, path, '--plot-compute')}", markup=False, highlight=False,
+                      soft_wrap=True)
+    return fig
 
 
 def png_data_uri(png: bytes) -> str:

@@ -61,6 +61,7 @@ from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, E
 from prism_challenge.evaluator.gpu import CudaCheck, CudaCheckError, cpu_stack, gpu_count_error, start_cuda_check
 from prism_challenge.evaluator.gpu import manifest_record as gpu_record
 from prism_challenge.evaluator.sizing import run_sizes
+from prism_challenge.flops import run_spent
 from prism_challenge.frozen import FrozenBundle, freeze
 from prism_challenge.heldout import HeldoutError, run_heldout
 from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
@@ -638,6 +639,9 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     manifest["profile"] = profile_record
     manifest["isolation"] = sandbox.summary()
     manifest["compute"]["gpu"] = gpu_record(stack, result.done)
+    manifest["compute"].update(run_spent(  # FLOPs, wall time, device-seconds (flops)
+        audit, result.steps, run_wall_s=t_done - t_start, world_size=opts.nproc,
+        stream_wall_s=(result.last_record_at - t_release) if result.last_record_at else None))
     manifest["verdict"] = verdict.to_dict() if verdict is not None else None
     manifest["audit"] = audit.to_dict() if audit is not None else None
     manifest["reference_codes"] = reference_codes

@@ -9,7 +9,8 @@ backend is chosen and nothing is shown.
 For each run two lines share one colour: the per-batch bpb (thin) and the cumulative
 prequential bpb (thick), whose last point is the run's ``prequential_bpb``. Runs of one variant
 (seed repeats, ``colour_by``) share a colour, and two or more of them get a band: their mean
-cumulative bpb with ±1 sample std (:func:`group_band`).
+cumulative bpb with ±1 sample std (:func:`group_band`). :func:`compute_figure` draws each run's
+``prequential_bpb`` against its estimated training FLOPs (:func:`compute_point`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,56 @@ def group_band(curves: Sequence[RunCurve]) -> tuple[np.ndarray, np.ndarray, np.n
     return x, ys.mean(axis=0), ys.std(axis=0, ddof=1)
 
 
+@dataclass(frozen=True)
+class ComputePoint:
+    """One run's score against its compute: ``training_flops`` (the manifest's
+    ``compute.training_flops_estimate``, :mod:`~prism_challenge.flops`) and ``prequential_bpb``."""
+
+    label: str
+    training_flops: int
+    prequential_bpb: float
+
+
+def compute_point(manifest: Mapping[str, Any], label: str) -> ComputePoint | None:
+    """The :class:`ComputePoint` of a scored run manifest, ``None`` without a FLOP estimate above 0
+    (a run before issue 29, one whose count failed: ``compute.flops_error``, or a model without
+    matmuls, which the log scale cannot place) or without a score."""
+    flops = (manifest.get("compute") or {}).get("training_flops_estimate")
+    bpb = (manifest.get("score") or {}).get("prequential_bpb")
+    if not isinstance(flops, int) or flops <= 0 or not isinstance(bpb, (int, float)):
+        return None
+    return ComputePoint(label, flops, float(bpb))
+
+
+def compute_figure(points: Sequence[ComputePoint], title: str = "PRISM: bits per byte against training compute",
+                   colour_by: Sequence[str] | None = None) -> Figure:
+    """Prequential bpb against estimated training FLOPs (log x), one marker per run; runs with
+    one ``colour_by`` key (e.g. a variant's seed repeats) share a colour.
+
+    Raises:
+        PlotError: no points, or ``colour_by`` of another length.
+    """
+    if not points:
+        raise PlotError("no run with a training FLOP estimate to plot")
+    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(len(points))]
+    if len(keys) != len(points):
+        raise PlotError(f"colour_by has {len(keys)} keys for {len(points)} points")
+    order = list(dict.fromkeys(keys))
+    fig = Figure(figsize=(9, 5.6 + 0.22 * ((len(points) + 1) // 2)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for pt, k in zip(points, keys):
+        ax.scatter([pt.training_flops], [pt.prequential_bpb], color=f"C{order.index(k) % 10}", s=36,
+                   label=f"{pt.label}  ({pt.prequential_bpb:.4f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs, estimated (3 x the scoring forward's; log scale)")
+    ax.set_ylabel("prequential bits per byte (lower is better)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
+    return fig
+
+
 def figure_bytes(fig: Figure, fmt: str) -> bytes:
     """``fig`` rendered as ``png`` or ``svg`` bytes.
 
@@ -159,8 +210,8 @@ def figure_bytes(fig: Figure, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write ``fig`` to ``path``, PNG or SVG by its suffix.
+def save_figure(fig: Figure, path: str | Path, flag: str = "--plot") -> Path:
+    """Write ``fig`` to ``path``, PNG or SVG by its suffix (``flag``: the option named in the error).
 
     Raises:
         PlotError: a suffix other than ``.png`` or ``.svg``.
@@ -168,6 +219,6 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     p = Path(path)
     fmt = p.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise PlotError(f"--plot {p}: the file name must end in .png or .svg")
+        raise PlotError(f"{flag} {p}: the file name must end in .png or .svg")
     p.write_bytes(figure_bytes(fig, fmt))
     return p

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from prism_challenge.evaluator.single import FAILED as SINGLE_AGENT_FAILED
+from prism_challenge.flops import flops_text
 
 
 def print_failure(console: Console, failure, run_dir: Path | None = None) -> None:
@@ -84,6 +85,7 @@ def print_summary(console: Console, outcome) -> None:
         ("seed", str(m.get("seed"))),
         ("profile", _profile(m.get("profile"))),
         ("wall time", f"{m['timing']['wall_s']:.1f} s"),
+        ("training FLOPs (estimate)", _spent(c)),
         ("non-finite batches", str(s["nonfinite_batches"])),
         *_verdict_rows(v),
         ("audit", _audit(m.get("audit"))),
@@ -131,6 +133,7 @@ def summary_dict(outcome) -> dict[str, Any]:
         "stop_reason": (m.get("stream") or {}).get("stop_reason"), "seed": m.get("seed"),
         "bundle_sha256": (m.get("bundle") or {}).get("sha256"), "profile": m.get("profile"),
         "budgets": m.get("budgets"), "world_size": (m.get("compute") or {}).get("world_size"),
+        "training_flops_estimate": (m.get("compute") or {}).get("training_flops_estimate"),
         "run_secret": m.get("run_secret"), "signing_key_id": (m.get("certificate") or {}).get("key_id"),
         "failure": None if f is None else {"stage": f["stage"], "message": f["message"], "kind": f.get("kind")},
     }
@@ -214,6 +217,15 @@ def _gap(v: dict[str, Any]) -> str:
     how = (f"{noise['z']:g} x se {_fmt(noise['se_gap_bpb'])}" if noise.get("se_gap_bpb") is not None
            and noise["threshold_bpb"] > noise["floor_bpb"] else "floor")
     return f"{_fmt(gap)} ({'>' if v.get('memorization_flagged') else '<='} {_fmt(noise['threshold_bpb'])} = {how})"
+
+
+def _spent(c: dict[str, Any]) -> str:
+    """The compute line: training FLOPs (3 x the counted forward's), device-seconds, or why no count."""
+    if c.get("training_flops_estimate") is None:
+        return "-" + (f" ({c['flops_error']})" if c.get("flops_error") else "")
+    dev = c.get("device_seconds")
+    return (f"{flops_text(c['training_flops_estimate'])} (3 x the scoring forward's, counted by the audit)"
+            + ("" if dev is None else f"; {dev:.1f} device-seconds"))
 
 
 def _audit(a) -> str:

@@ -125,6 +125,7 @@ class AuditReport:
     error: str | None = None
     wall_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    flops: Any = None  # the re-scoring child's FLOP count (prism_challenge.flops.child_count), not in to_dict
 
     @property
     def passed(self) -> bool:
@@ -225,6 +226,19 @@ def child_argv(device: str = "cpu") -> list[str]:
     return [*CHILD_ARGV, "--device", "cuda"] if str(device).startswith("cuda") else list(CHILD_ARGV)
 
 
+def job_config(config: dict[str, Any], jobs: list[Job], group: list[int], mode: str, *, first: bool
+               ) -> dict[str, Any]:
+    """The config one ``mode`` child reads: ``config``, the mode and its ``jobs`` (``state``
+    indexed within ``group``, the child's snapshots). ``flop_shapes`` stays only in the first
+    re-scoring child's (``first``): the FLOPs are counted once per run (:mod:`~prism_challenge.flops`)."""
+    index = {s: i for i, s in enumerate(group)}
+    child = {**config, "mode": mode,
+             "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in jobs]}
+    if mode != "rescore" or not first:
+        child.pop("flop_shapes", None)
+    return child
+
+
 def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: str,
               per_child: int | None = None, expect: Sequence[str | None] | None = None
               ) -> list[tuple[str, int, Any]]:
@@ -237,9 +251,7 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
         mine = [j for j in jobs if j.state in group]
         if not mine:
             continue
-        index = {s: i for i, s in enumerate(group)}
-        child = {**config, "mode": mode,
-                 "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in mine]}
+        child = job_config(config, mine, group, mode, first=not out)
         batches = [j.tokens if mode == "rescore" else j.probe for j in mine]
 
         def payload(child=child, batches=batches, group=group) -> SnapshotFeed:
@@ -472,8 +484,9 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
 
     Args:
         config: the model configuration (``pipeline._model_config``) plus ``context`` (the run's
-            :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank) and
-            ``hidden``.
+            :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank),
+            ``hidden`` and, optionally, ``flop_shapes`` (shape keys whose forward FLOPs the first
+            re-scoring child counts: ``report.flops``, :mod:`~prism_challenge.flops`).
         audits: the feeder's :class:`~prism_challenge.evaluator.snapshots.AuditedStep` by step.
         filler: held-out token ids for the blind probes (``None``: no probe; say why in ``meta``).
         key: the run's secret key (the probed positions and the text's offsets).
@@ -501,6 +514,7 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
         digests = {Path(a.snapshot): a.sha256 for a in audits.values() if a.snapshot is not None}
         rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir,
                                         batch_s, [digests.get(p) for p in paths])
+        report.flops = next((r["flops"] for r in rescored if isinstance(r, dict) and "flops" in r), None)
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
             report.blind_probes, report.mismatch = compare_blind(

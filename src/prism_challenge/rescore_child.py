@@ -5,7 +5,9 @@ comes (:class:`~prism_challenge.evaluator.snapfile.SnapshotStream`: one snapshot
 however many the child re-scores), and prints one JSON line on stdout; for each
 job it builds the model in the run's context, loads the job's snapshot and scores the batch:
 ``rescore`` mode as the instrument does (nats, and the nats of the probed targets), ``blind`` mode
-the log-probabilities at the probed positions.
+the log-probabilities at the probed positions. A child whose config names ``flop_shapes`` (the
+first re-scoring child of the audit) then counts the scoring forward's FLOPs per shape on its last
+job's model (:mod:`~prism_challenge.flops`), in that job's reply under ``flops``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
     from prism_challenge.evaluator.interface import run_context
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
     from prism_challenge.evaluator.statedict import load_scored_state
+    from prism_challenge.flops import child_count, shape_of
     from prism_challenge.gates.param_count import count_unique_elements
     from prism_challenge.heldout import _BuildOnly
 
@@ -91,6 +94,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
             raise AuditError(f"import: {module.replace('.', '/')}.py does not define a callable {symbol}(ctx)")
         runtime = _BuildOnly(fn, seed)
         autocast = autocast_dtype(config.get("scoring_autocast"))
+        shapes = [shape_of(k) for k in config.get("flop_shapes") or ()]  # this child counts FLOPs (flops)
         out = []
         for job, batch in zip(config["jobs"], batches):
             stage = "build"
@@ -108,6 +112,8 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
             stage = "score"
             tokens = torch.tensor(batch, dtype=torch.int64).to(device)  # a copy: the model may write to it
             out.append(_score_job(model, tokens, job, mode, vocab, autocast))
+            if shapes and len(out) == len(config["jobs"]):  # after the last job: nothing scored here follows it
+                out[-1]["flops"] = child_count(model, tokens, shapes, autocast)
             del model
         return out
     except AuditError:
@@ -120,7 +126,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
 WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
                 "prism_challenge.evaluator.snapfile",
                 "prism_challenge.evaluator.interface", "prism_challenge.evaluator.seeding",
-                "prism_challenge.gates.param_count")
+                "prism_challenge.gates.param_count", "prism_challenge.flops", "torch.utils.flop_counter")
 
 
 def _warm_up(device: str = "cpu") -> None:

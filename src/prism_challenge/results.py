@@ -42,6 +42,7 @@ REGENERATE = "python -m prism_challenge.results --write-schema"
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0)]
+ShapeKey = Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]  # a rank slice's "BxT" (prism_challenge.flops)
 Status = Literal["scored", "failed", "cancelled"]
 StopReason = Literal["", "token_budget", "byte_budget", "step_budget", "wall_clock_budget", "stream_exhausted",
                      "loop_stopped", "stalled", "failed"]
@@ -184,7 +185,9 @@ class Compute(_Model):
     """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...); ``launcher``:
     the agent that started the ranks (``"single"``: one rank under
     :mod:`~prism_challenge.evaluator.single`; ``"torchrun"``, also every manifest written before
-    that agent existed)."""
+    that agent existed). What the run spent (:mod:`~prism_challenge.flops`): FLOPs per rank
+    slice shape ``"BxT"``, the training estimate, wall seconds and device-seconds (``None``
+    before issue 29; ``flops_error`` says why a count is missing)."""
 
     torch_version: str
     python: str
@@ -199,6 +202,19 @@ class Compute(_Model):
     peak_rss_bytes: dict[str, Count | None]
     peak_device_bytes: dict[str, Count | None]
     parent_peak_rss_bytes: Count
+    # what the run spent (prism_challenge.flops; absent before issue 29): FLOPs of one scoring
+    # forward per rank slice shape "BxT", counted in the audit's re-scoring child; slices scored per
+    # shape; 3 x their forward FLOPs; seconds of the stream (release to last record) and of the run;
+    # stream seconds x ranks; the count's own seconds; how it was counted; why there is no count
+    forward_flops_per_batch: dict[ShapeKey, Count] | None = None
+    batches_per_shape: dict[ShapeKey, Count] | None = None
+    training_flops_estimate: Count | None = None
+    stream_wall_s: Seconds | None = None
+    run_wall_s: Seconds | None = None
+    device_seconds: Seconds | None = None
+    flops_count_s: Seconds | None = None
+    flops_method: str | None = None
+    flops_error: str | None = None
     gpu: GpuStack | None = None
 
 

@@ -210,6 +210,7 @@ class StepRecord:
     bytes: int
     finite: bool = True
     ranks_reported: int = 0
+    shapes: list[tuple[int, int]] = field(default_factory=list)  # (rows, seq_len) of each rank's slice
 
 
 class SnapshotDiskError(Exception):
@@ -554,7 +555,8 @@ class Feeder:
             self._send(st, Kind.END, {"reason": self.result.stop_reason})
             return
         tokens, nbytes = piece
-        st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes)}
+        st.pending = {"step": st.step, "targets": int(tokens.shape[0] * (tokens.shape[1] - 1)), "bytes": int(nbytes),
+                      "shape": (int(tokens.shape[0]), int(tokens.shape[1]))}
         if self.result.first_batch_at is None:
             self.result.first_batch_at = time.monotonic()
         header = {"step": st.step, "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}
@@ -672,6 +674,7 @@ class Feeder:
             rec.bytes += pending["bytes"]
             rec.finite &= finite
             rec.ranks_reported += 1
+            rec.shapes.append(pending["shape"])
             if not finite:
                 self.result.nonfinite_batches += 1
             self.result.last_record_at = time.monotonic()
