@@ -76,6 +76,21 @@ def run_curve(manifest: Mapping[str, Any], label: str) -> RunCurve:
     return RunCurve(label, [int(b) for b in cum_b], batch, cumulative)
 
 
+def _canvas(colour_by: Sequence[str] | None, n: int, what: str, legend_rows: int) -> tuple[Figure, Any, list[str], list[str]]:
+    """A 9-inch-wide figure (taller by a legend of ``legend_rows`` rows) with one axes, the colour
+    key of each of ``n`` items (default: one each) and the keys in first-seen order.
+
+    Raises:
+        PlotError: ``colour_by`` of another length than ``n``.
+    """
+    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(n)]
+    if len(keys) != n:
+        raise PlotError(f"colour_by has {len(keys)} keys for {n} {what}")
+    fig = Figure(figsize=(9, 5.6 + 0.22 * legend_rows), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(), keys, list(dict.fromkeys(keys))
+
+
 def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learning curves",
                           colour_by: Sequence[str] | None = None) -> Figure:
     """Bits per byte against bytes scored for every run: per-batch (thin) and cumulative (thick).
@@ -91,13 +106,7 @@ def learning_curve_figure(curves: Sequence[RunCurve], title: str = "PRISM learni
     """
     if not curves:
         raise PlotError("no run to plot")
-    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(len(curves))]
-    if len(keys) != len(curves):
-        raise PlotError(f"colour_by has {len(keys)} keys for {len(curves)} curves")
-    order = list(dict.fromkeys(keys))
-    fig = Figure(figsize=(9, 5.6 + 0.22 * ((len(curves) + 3) // 2)), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax, keys, order = _canvas(colour_by, len(curves), "curves", legend_rows=(len(curves) + 3) // 2)
     colours, seen = [], {}
     styles = ("-", "--", ":", "-.")
     for k in keys:
@@ -178,13 +187,7 @@ def compute_figure(points: Sequence[ComputePoint], title: str = "PRISM: bits per
     """
     if not points:
         raise PlotError("no run with a training FLOP estimate to plot")
-    keys = list(colour_by) if colour_by is not None else [str(i) for i in range(len(points))]
-    if len(keys) != len(points):
-        raise PlotError(f"colour_by has {len(keys)} keys for {len(points)} points")
-    order = list(dict.fromkeys(keys))
-    fig = Figure(figsize=(9, 5.6 + 0.22 * ((len(points) + 1) // 2)), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax, keys, order = _canvas(colour_by, len(points), "points", legend_rows=(len(points) + 1) // 2)
     for pt, k in zip(points, keys):
         ax.scatter([pt.training_flops], [pt.prequential_bpb], color=f"C{order.index(k) % 10}", s=36,
                    label=f"{pt.label}  ({pt.prequential_bpb:.4f})")
