@@ -71,7 +71,10 @@ def test_a_scored_run_its_typed_manifest_and_its_events(tmp_path):
     bar = ProgressBar(Console(file=StringIO()), disable=True)
     for e in events:
         bar(e)
-    assert bar.progress.tasks[0].completed == m.score.targets and bar.progress.tasks[0].total == 20_000
+    # the bar counts the stream's tokens, so it reaches the budget; the stages after it get a line each, done
+    assert bar.progress.tasks[0].completed == m.stream.tokens == 20_000 == bar.progress.tasks[0].total
+    assert [(t.description, t.fields["note"], t.finished) for t in bar.progress.tasks[1:]] == [
+        ("audit + held-out", "done", True), ("manifest", "done", True)]
 
 
 def test_a_contract_failure_has_a_typed_manifest_and_the_kind_submission(tmp_path):

@@ -325,19 +325,23 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
 
 
 class ProgressBar:
-    """``prism eval``'s live progress bar, driven by the run's progress events
-    (:mod:`~prism_challenge.events`): it appears when the ``stream`` stage starts (sized by its
-    ``total`` and ``unit``) and advances on each ``batch_scored`` (targets under a token budget,
-    else bytes), showing ``bpb_so_far``."""
+    """``prism eval``'s live progress, driven by the run's progress events
+    (:mod:`~prism_challenge.events`): a bar appears when the ``stream`` stage starts (sized by its
+    ``total`` and ``unit``) and advances on each ``batch_scored`` (the stream's tokens consumed
+    under a token budget, so it reaches the budget; else bytes), showing ``bpb_so_far``; the
+    stages after it (the audit and held-out evaluation, the manifest) each get a line with their
+    elapsed time, marked done when they end."""
+
+    AFTER = {"heldout": "audit + held-out", "manifest": "manifest"}
 
     def __init__(self, console, disable: bool):
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]prequential"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
-            TextColumn("bpb [cyan]{task.fields[bpb]}"),
+            TextColumn("{task.fields[counts]}"),
+            TextColumn("{task.fields[note]}"),
             TimeElapsedColumn(),
             console=console,
             disable=disable,
@@ -346,18 +350,33 @@ class ProgressBar:
         )
         self.task: Any = None
         self.unit = "bytes"
+        self.stages: dict[str, Any] = {}
+
+    def _counts(self) -> str:
+        t = self.progress.tasks[self.task]
+        return f"{t.completed:,.0f}/{t.total:,.0f} {self.unit}" if t.total else f"{t.completed:,.0f} {self.unit}"
 
     def __call__(self, event: Any) -> None:
-        from prism_challenge.events import BatchScored, StageStarted
+        from prism_challenge.events import BatchScored, StageFinished, StageStarted
 
         if isinstance(event, StageStarted) and event.stage == "stream":
             self.unit = event.unit or "bytes"
-            self.task = self.progress.add_task("run", total=event.total, unit=self.unit, bpb="-")
+            self.task = self.progress.add_task("prequential", total=event.total, counts="", note="bpb -")
+            self.progress.update(self.task, counts=self._counts())
             self.progress.start()
         elif isinstance(event, BatchScored) and self.task is not None:
-            done = event.targets if self.unit == "tokens" else event.bytes
+            if self.unit == "tokens" and event.tokens_so_far is not None:
+                self.progress.update(self.task, completed=event.tokens_so_far)
+            else:
+                self.progress.update(self.task, advance=event.targets if self.unit == "tokens" else event.bytes)
             bpb = f"{event.bpb_so_far:.4f}" if event.bpb_so_far is not None else "-"
-            self.progress.update(self.task, advance=done, bpb=bpb)
+            self.progress.update(self.task, counts=self._counts(), note=f"bpb [cyan]{bpb}")
+        elif isinstance(event, StageStarted) and event.stage in self.AFTER and self.task is not None:
+            self.stages[event.stage] = self.progress.add_task(self.AFTER[event.stage], total=None, counts="",
+                                                              note="running")
+        elif isinstance(event, StageFinished) and event.stage in self.stages:
+            self.progress.update(self.stages[event.stage], total=1, completed=1,
+                                 note="done" if event.ok else "[red]failed")
 
     def stop(self) -> None:
         """Stop the live display (idempotent)."""

@@ -55,7 +55,9 @@ class BatchScored(_Event):
 
     ``batch``: its index from 0; ``targets``/``bytes``/``nats``: this batch's scored targets,
     UTF-8 bytes and code length (nats); the ``*_so_far`` figures are cumulative over the run,
-    and ``bpb_so_far = nats_so_far / ln 2 / bytes_so_far`` (``None`` while no byte was scored).
+    and ``bpb_so_far = nats_so_far / ln 2 / bytes_so_far`` (``None`` while no byte was scored);
+    ``tokens_so_far``: the stream's tokens consumed up to this batch, the token budget's unit
+    (a row's first token too, which is no target).
     """
 
     event: Literal["batch_scored"] = "batch_scored"
@@ -67,6 +69,7 @@ class BatchScored(_Event):
     bytes_so_far: int = Field(ge=0)
     nats_so_far: float
     bpb_so_far: float | None
+    tokens_so_far: int | None = Field(default=None, ge=0)
 
 
 class RunFinished(_Event):

@@ -459,7 +459,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         control.emit(BatchScored(
             batch=int(running["batches"]) - 1, targets=rec.targets, bytes=rec.bytes, nats=rec.nats,
             targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
-            bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None))
+            bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None,
+            tokens_so_far=feeder.result.tokens_consumed))  # set by the feeder just before this call
 
     key = run_secret(opts)  # after intake; never sent to the sandbox
     feeder = Feeder(
