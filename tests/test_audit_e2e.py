@@ -57,7 +57,31 @@ def test_the_init_template_passes_the_audit(tmp_path):
     from prism_challenge.scaffold import write_bundle
 
     write_bundle(tmp_path / "seed", tokenizer="bytes")
-    assert_passes(run(tmp_path, tmp_path / "seed", "run", token_budget=6_000, heldout_bytes=10_000))
+    outcome = run(tmp_path, tmp_path / "seed", "run", token_budget=6_000, heldout_bytes=10_000)
+    audit, _ = assert_passes(outcome)  # the tied model re-scored bit for bit
+    # its head is tied to the token embedding: each snapshot holds that tensor once (issue 27).
+    # The file's tensor bytes, from the template's own module: its unique storages, 64-byte aligned
+    sys.path.insert(0, str(tmp_path / "seed"))
+    try:
+        from architecture import TinyLM
+
+        state = TinyLM(257, 256).state_dict()
+    finally:
+        sys.path.remove(str(tmp_path / "seed"))
+        sys.modules.pop("architecture", None)
+    assert state["head.weight"].data_ptr() == state["tok.weight"].data_ptr()
+    pos, seen = 8, set()
+    for t in state.values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            pos += -pos % 64 + t.numel() * t.element_size()
+    tied = state["tok.weight"].numel() * 4
+    for b in audit["batches"]:
+        data = (outcome.run_dir / "model" / "audit" / f"step-{b['step']:06d}.snap").read_bytes()
+        size = int.from_bytes(data[-16:-8], "little")
+        index = {e[0]: e for e in json.loads(data[-16 - size : -16])["tensors"]}
+        assert len(data) == pos + size + 16 and index["head.weight"][1:] == index["tok.weight"][1:]
+        assert sum(t.numel() * t.element_size() for t in state.values()) - tied < pos  # once, not twice
 
 
 @pytest.fixture(scope="module")

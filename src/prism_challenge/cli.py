@@ -1,5 +1,5 @@
-"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``verify``, ``serve``,
-``submit``, ``status``, ``keygen``, ``fleet``, ``findings``."""
+"""The ``prism`` command line: ``eval``, ``check``, ``data``, ``compare``, ``init``, ``verify``,
+``runs``, ``serve``, ``submit``, ``status``, ``keygen``, ``fleet``, ``findings``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.verify import add_verify_parser
 
     add_verify_parser(sub)
+    from prism_challenge.runs_cli import add_runs_parser
+
+    add_runs_parser(sub)
     from prism_challenge.cli_service import add_service_parsers
 
     add_service_parsers(sub)

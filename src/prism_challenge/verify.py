@@ -28,7 +28,11 @@ per stage on stderr as it goes:
    (:func:`~prism_challenge.evaluator.auditplan.within`). They run on the run's device kind
    under its recorded scoring autocast; a CUDA run on a machine without CUDA is refused before
    any stage (exit 2, the run's device named: on CPU it would differ by more than the
-   tolerance, :func:`~prism_challenge.verify_audit.rescoring_device`);
+   tolerance, :func:`~prism_challenge.verify_audit.rescoring_device`). A snapshot that ``prism
+   runs prune`` removed (named in the run's prune record with the sha256 the manifest binds,
+   :mod:`prism_challenge.runs_prune`) cannot be re-scored: every other check of its batch is
+   made, and the run ends with exit 3 and ``verified except ...``, naming the batches not
+   re-scored, never ``verified``;
 8. **re-execution** (``--reexecute``): the kept bundle runs again under the recorded settings,
    seed and secret (:mod:`prism_challenge.verify_reexecute`); the curve must be equal bit for
    bit, and the trained state's sha256.
@@ -46,7 +50,7 @@ from typing import Any
 
 from prism_challenge.verify_recompute import CURVE_RTOL, Mismatch, curve_bpb  # noqa: F401 - re-exported
 
-EXIT_VERIFIED, EXIT_MISMATCH, EXIT_UNREADABLE = 0, 1, 2
+EXIT_VERIFIED, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_PRUNED = 0, 1, 2, 3
 
 
 def _check_bundle(run_dir: Path, manifest: dict[str, Any]) -> Path:
@@ -211,39 +215,49 @@ def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages,
 
 
 def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats: list[float], isolation: str,
-             timeout_s: float, stages: _Stages) -> tuple[int, int, int]:
-    """The audited batches' files, probes and re-scoring: (audited batches, blind probes passed,
-    probe batches drawn again from the secret)."""
+             timeout_s: float, stages: _Stages) -> tuple[int, int, int, list[int]]:
+    """The audited batches' files, probes and re-scoring: (audited batches re-scored, blind
+    probes passed, probe batches drawn again from the secret, the steps whose snapshot was
+    pruned: every check but the re-scoring and blind probes, :mod:`~prism_challenge.runs_prune`)."""
     from prism_challenge import verify_recompute as rc
     from prism_challenge.rescore import AuditError
+    from prism_challenge.runs_prune import pruned_steps
     from prism_challenge.verify_audit import children, filler, load_audit
 
-    audits, inputs = load_audit(run_dir, m, batch_nats, data)
+    pruned, when = pruned_steps(run_dir, m)
+    audits, inputs = load_audit(run_dir, m, batch_nats, data, pruned)
     made = rc.check_probes(m, inputs, filler(m, data))
     for e in m["audit"]["batches"]:  # the manifest's own verdict on its records
         if not e["match"]:
             raise Mismatch(f"audited batch {e['step']}: the run itself found recorded {e['recorded_nats']} and "
                            f"re-scored {e['rescored_nats']} nats")
-    stages.say("re-scoring", f"{len(audits)} audited batches in fresh sandboxed processes ...")
+    present = {step: a for step, a in audits.items() if step not in pruned}
+    gone = f"; {len(pruned)} not re-scored: their snapshots were pruned ({when}, prism runs prune)" if pruned else ""
+    if not present:
+        stages.done("re-scoring", f"0 batches re-scored{gone}")
+        return 0, 0, made, sorted(pruned)
+    stages.say("re-scoring", f"{len(present)} audited batches in fresh sandboxed processes ...")
     try:
-        report, probes = children(run_dir, m, copy, audits, inputs, data, isolation, timeout_s)
+        report, probes = children(run_dir, m, copy, present, inputs, data, isolation, timeout_s)
     except AuditError as exc:
         raise Mismatch(f"audit: {exc}") from None
-    for e, got in zip(m["audit"]["batches"], report.batches):
+    for e, got in zip([e for e in m["audit"]["batches"] if e["step"] in present], report.batches):
         if got["rescored_nats"] != e["rescored_nats"]:
             sys.stderr.write(f"note: audited batch {e['step']} re-scored {got['rescored_nats']} nats here, "
                              f"{e['rescored_nats']} in the run (within the tolerance)\n")
-    stages.done("re-scoring", f"{len(audits)} batches equal to their records, {probes} blind probes passed"
-                + (f" ({made} probe batches drawn again from the secret)" if made else ""))
-    return len(audits), probes, made
+    stages.done("re-scoring", f"{len(present)} batches equal to their records, {probes} blind probes passed"
+                + (f" ({made} probe batches drawn again from the secret)" if made else "") + gone)
+    return len(present), probes, made, sorted(pruned)
 
 
 def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "strict", timeout_s: float = 1800.0,
            keys: list[str] | None = None, profile: str | None = None, reexecute: bool = False,
            say: Say | None = None, min_audited: int | None = None) -> dict[str, Any]:
     """Verify a run directory (the stages in the module docstring); the figures
-    (``key_id``, ``bundle_sha256``, ``prequential_bpb``, ``final_score``, ``audited_batches``,
-    ``draws_checked``, ``blind_probes``, ``probes_redrawn``, ``reexecuted``, ``seconds`` per stage).
+    (``key_id``, ``bundle_sha256``, ``prequential_bpb``, ``final_score``, ``audited_batches``
+    (re-scored), ``draws_checked``, ``blind_probes``, ``probes_redrawn``, ``reexecuted``,
+    ``snapshots_pruned`` (the audited steps not re-scored: their snapshots were pruned),
+    ``seconds`` per stage).
 
     Args:
         keys: the trusted public keys (base64 or PEM files); ``None``: the user's own key.
@@ -265,7 +279,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     data = _check_data(Path(data_dir or m["data"]["dir"]), m)
     stages.done("hashes", f"bundle {m['bundle']['sha256'][:12]}, data MANIFEST {m['data']['manifest_sha256'][:12]}")
     bpb, batch_nats, _ = _recompute(m, profile, stages, min_audited)
-    audited, probes, redrawn = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
+    audited, probes, redrawn, pruned = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
     again = None
     if reexecute:
         from prism_challenge.verify_reexecute import reexecute as rerun
@@ -276,7 +290,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     return {"key_id": kid, "bundle_sha256": m["bundle"]["sha256"], "data_manifest_sha256": m["data"]["manifest_sha256"],
             "prequential_bpb": bpb, "final_score": m["verdict"]["final_score"], "audited_batches": audited,
             "draws_checked": True, "blind_probes": probes, "probes_redrawn": redrawn, "reexecuted": again,
-            "seconds": stages.seconds}  # draws_checked: always, a manifest without run_secret is a mismatch
+            "snapshots_pruned": pruned, "seconds": stages.seconds}  # draws_checked: always, a manifest without run_secret is a mismatch
 
 
 VERIFY_DESCRIPTION = (
@@ -287,7 +301,9 @@ VERIFY_DESCRIPTION = (
     "sandboxed processes. A line per stage goes to stderr as it ends.")
 VERIFY_EPILOG = ("exit status: 0 verified; 1 mismatch (the first field that differs is named); 2 a "
                  "directory without a scored, audited manifest, an unreadable key or service, a CUDA "
-                 "run on a machine without CUDA, or a re-execution this machine cannot make.")
+                 "run on a machine without CUDA, or a re-execution this machine cannot make; 3 everything "
+                 "verified but the re-scoring of the audited batches whose snapshots were pruned "
+                 "(prism runs prune).")
 
 
 def add_verify_parser(sub: Any) -> None:
@@ -341,9 +357,17 @@ def _check_arguments(args: argparse.Namespace) -> None:
                          "prepare --out wrote it)")
 
 
+def _steps(steps: list[int], shown: int = 8) -> str:
+    """``0, 1, 4`` (the first ``shown``, then a count)."""
+    more = f" and {len(steps) - shown} more" if len(steps) > shown else ""
+    return ", ".join(str(s) for s in steps[:shown]) + more
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """``prism verify``: exit 0 verified, 1 a mismatch, 2 an unreadable run directory, key or service
-    (with ``--json``, ``{"verified": false, "error": ...}`` on stdout too)."""
+    (with ``--json``, ``{"verified": false, "error": ...}`` on stdout too), 3 verified but for the
+    audited batches whose snapshots were pruned (``--json``: ``"verified": false`` and their
+    steps in ``snapshots_pruned``)."""
     try:
         _check_arguments(args)
         keys = list(args.key) if args.key else None
@@ -360,9 +384,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"verified": False, "error": str(exc)}))
         return EXIT_UNREADABLE
+    pruned = figures["snapshots_pruned"]
     if args.json:
-        print(json.dumps({"verified": True, **figures}))
-        return EXIT_VERIFIED
+        print(json.dumps({"verified": not pruned, **figures}))
+        return EXIT_PRUNED if pruned else EXIT_VERIFIED
+    if pruned:
+        print(f"verified except the re-scoring: the snapshots of {len(pruned)} audited batches (steps "
+              f"{_steps(pruned)}) were pruned (prism runs prune); prequential_bpb {figures['prequential_bpb']:.6f}, "
+              f"bundle {figures['bundle_sha256'][:12]}, data MANIFEST {figures['data_manifest_sha256'][:12]}, the "
+              f"audited inputs and probes checked, {figures['audited_batches']} audited batches re-scored, signed by "
+              f"{figures['key_id']}")
+        return EXIT_PRUNED
     print(f"verified: prequential_bpb {figures['prequential_bpb']:.6f}, bundle {figures['bundle_sha256'][:12]}, "
           f"data MANIFEST {figures['data_manifest_sha256'][:12]}, {figures['audited_batches']} audited batches "
           f"re-scored equal to their records, {figures['blind_probes']} blind probes passed, signed by "

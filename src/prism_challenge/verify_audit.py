@@ -37,10 +37,12 @@ def stream_slices(data: Any, manifest: dict[str, Any], steps: list[int]) -> dict
     return out
 
 
-def load_audit(run_dir: Path, manifest: dict[str, Any], batch_nats: list[float], data: Any
-                ) -> tuple[dict[int, Any], dict[int, dict[str, np.ndarray]]]:
+def load_audit(run_dir: Path, manifest: dict[str, Any], batch_nats: list[float], data: Any,
+               pruned: set[int] = frozenset()) -> tuple[dict[int, Any], dict[int, dict[str, np.ndarray]]]:
     """The audited steps as the feeder held them and their stored inputs by step, after checking
-    every hash and the curve."""
+    every hash and the curve. A step of ``pruned`` (its snapshot removed by ``prism runs prune``,
+    :func:`~prism_challenge.runs_prune.pruned_steps`) has every check but its snapshot's, and
+    ``snapshot`` ``None``."""
     from prism_challenge.auditstage import AUDIT_DIR
     from prism_challenge.evaluator.snapshots import AuditedStep, file_sha256, snapshot_name
     from prism_challenge.rescore import inputs_digest
@@ -52,7 +54,9 @@ def load_audit(run_dir: Path, manifest: dict[str, Any], batch_nats: list[float],
     for e in batches:
         step = e["step"]
         snap = run_dir / AUDIT_DIR / snapshot_name(step)
-        if not snap.is_file() or file_sha256(snap) != e["snapshot_sha256"]:
+        if step in pruned:
+            snap = None
+        elif not snap.is_file() or file_sha256(snap) != e["snapshot_sha256"]:
             raise Mismatch(f"audited batch {step}: the snapshot {snap} is missing or does not hash to the manifest's")
         with np.load(run_dir / AUDIT_DIR / f"step-{step:06d}.npz", allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

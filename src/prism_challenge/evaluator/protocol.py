@@ -34,7 +34,8 @@ class Kind(IntEnum):
     ERROR = 8  # R->F {stage, message, traceback}
     DONE = 9  # R->F {peak_rss_bytes, state_sha256, ...}: train(ctx) returned
     STATE = 10  # R->F {name, dtype, shape} + raw bytes: one tensor of rank 0's scored model
-    SNAPSHOT = 12  # R->F {step, name, dtype, shape} + raw bytes: one tensor of an audited batch's state
+    SNAPSHOT = 12  # R->F {step, name, dtype, shape} + raw bytes: one tensor of an audited batch's state;
+    # with {alias: an earlier name} and no bytes: the same tensor as that name's (a tied weight)
     SNAPSHOT_END = 13  # R->F {step, tensors}: the audited batch's state is complete
     ANSWER = 14  # F->R {audited: [step, bool]}: the answer to a record, at once (audited runs)
 

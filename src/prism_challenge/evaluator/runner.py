@@ -50,6 +50,7 @@ from prism_challenge.evaluator.seeding import (
 )
 from prism_challenge.evaluator.phases import PhaseClock
 from prism_challenge.evaluator.reporter import Reporter, defer
+from prism_challenge.evaluator.snapfile import exact_view
 from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
@@ -267,7 +268,7 @@ class Runtime:
             if type(value) not in PLAIN_TENSORS:
                 raise self.contract_error(f"state_dict entry {name!r} is a {type(value).__name__}: the scored "
                                           f"model's state must hold plain tensors")
-            view = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(), value.device)
+            view = exact_view(value)
             if view not in copies:
                 copies[view] = value.detach().clone()
             out[name] = copies[view]

@@ -7,6 +7,13 @@ Layout (``prism-snapshot-1``)::
     index: UTF-8 JSON {"format": FORMAT, "tensors": [[name, dtype, shape, offset, nbytes], ...]}
     index length (8 bytes, little endian), MAGIC
 
+An alias (a tied weight: two ``state_dict`` names, one storage, offset, shape, stride and
+dtype) is stored once: its entry repeats the ``dtype``, ``shape``, ``offset`` and ``nbytes`` of
+the entry stored before it (:meth:`SnapshotWriter.alias`), and :func:`read_snapshot` gives both
+names one tensor object, which :func:`~prism_challenge.evaluator.statedict.load_scored_state`
+ties again in the model. Entries whose bytes overlap in any other way are refused. A reader
+that predates aliases reads such a file as two equal tensors (the tie lost, the values kept).
+
 The index comes last, so the trusted side (:class:`SnapshotWriter`) can write each tensor the
 moment its frame arrives, with nothing held back, and knows the file's sha256 when the last byte
 is written: it hashes exactly the bytes it writes (no second pass over the file). ``torch.save``
@@ -56,6 +63,7 @@ class SnapshotWriter:
         self._h = hashlib.sha256()
         self._pos = 0
         self._index: list[list[Any]] = []
+        self._stored: dict[str, list[Any]] = {}  # name -> its index entry, for the tensors written
         self._write(MAGIC)
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
@@ -72,7 +80,21 @@ class SnapshotWriter:
         if pad:
             self._write(bytes(pad))
         self._index.append([name, dtype, list(shape), self._pos, len(payload)])
+        self._stored[name] = self._index[-1]
         self._write(payload)
+
+    def alias(self, name: str, of: str) -> None:
+        """An index entry for ``name`` over the bytes of ``of``, a tensor :meth:`add` wrote before
+        (its dtype and shape: the caller checked that they are ``name``'s); no byte is written.
+
+        Raises:
+            StateError: ``of`` is not a tensor written to this file (an alias of an alias
+                included, so no chain or cycle can be recorded).
+        """
+        target = self._stored.get(of)
+        if target is None:
+            raise StateError(f"snapshot tensor {name!r}: an alias of {of!r}, which this snapshot did not store before it")
+        self._index.append([name, *target[1:]])
 
     @property
     def tensors(self) -> int:
@@ -95,18 +117,34 @@ class SnapshotWriter:
             self.path.unlink(missing_ok=True)
 
 
+def exact_view(t: torch.Tensor) -> tuple:
+    """What makes two tensors exact aliases of each other: the same device, address (storage and
+    offset), dtype, shape and stride. An empty tensor is never anyone's alias (its own id)."""
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 def write_snapshot(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> str:
     """Write ``state`` (name -> tensor; any device, copied to contiguous CPU) as a snapshot file;
-    its sha256. For tests and tools: the feeder writes frames as they arrive (:class:`SnapshotWriter`).
+    its sha256. An exact alias of an earlier entry (:func:`exact_view`: a tied weight) is stored
+    once (:meth:`SnapshotWriter.alias`). For tests and tools: the feeder writes frames as they
+    arrive (:class:`SnapshotWriter`).
 
     Raises:
         StateError: a dtype outside :data:`~prism_challenge.evaluator.statedict.DTYPES`.
     """
     w = SnapshotWriter(path)
+    seen: dict[tuple, str] = {}
     try:
         for name, t in state.items():
             if str(t.dtype) not in DTYPES:
                 raise StateError(f"state tensor {name!r} has dtype {t.dtype}, which the harness cannot store")
+            view = exact_view(t)
+            if view in seen:
+                w.alias(name, seen[view])
+                continue
+            seen[view] = name
             t = t.detach().to("cpu").contiguous()
             w.add(name, str(t.dtype), list(t.shape), tensor_bytes(t))
     except BaseException:
@@ -139,15 +177,19 @@ def _index(data: np.ndarray) -> tuple[list[Any], int]:
 
 def read_snapshot(data: np.ndarray) -> dict[str, torch.Tensor]:
     """The tensors of a snapshot file held in ``data`` (a uint8 numpy array ``[N]``, the file's
-    bytes), as views of it (no copy: they keep ``data`` alive; clone them to outlive it or to
-    let the model write to them). Nothing is unpickled.
+    bytes), as views of it (no copy: they keep ``data`` alive; clone them with
+    :func:`clone_state` to outlive it or to let the model write to them). Nothing is unpickled.
+    An alias entry (the ``offset`` of an earlier entry, with its dtype, shape and size) is the
+    same tensor object as that entry's.
 
     Raises:
         StateError: not a snapshot, a dtype outside the allow-list, a shape or size that
-            disagrees, a tensor outside the data or a name twice.
+            disagrees, a tensor outside the data, a name twice, or entries whose bytes overlap
+            without being exact aliases.
     """
     entries, end = _index(data)
     out: dict[str, torch.Tensor] = {}
+    at: dict[int, tuple[str, str, list[int], int]] = {}  # offset -> the first stored entry there
     whole = torch.from_numpy(data)
     for e in entries:
         if not (isinstance(e, list) and len(e) == 5):
@@ -162,7 +204,40 @@ def read_snapshot(data: np.ndarray) -> dict[str, torch.Tensor]:
         if not (isinstance(offset, int) and isinstance(nbytes, int) and nbytes == size and offset % ALIGN == 0
                 and len(MAGIC) <= offset and offset + nbytes <= end):
             raise StateError(f"snapshot tensor {name!r}: {nbytes!r} bytes at {offset!r} for shape {shape} of {dtype}")
+        first = at.get(offset) if nbytes else None
+        if first is not None:
+            if first[1:] != (dtype, shape, nbytes):
+                raise StateError(f"snapshot tensor {name!r}: its bytes at {offset} are {first[0]!r}'s, of another "
+                                 f"dtype or shape ({first[1]} {first[2]}): not an alias")
+            out[name] = out[first[0]]
+            continue
+        if nbytes:
+            at[offset] = (name, dtype, shape, nbytes)
         out[name] = (whole[offset : offset + nbytes].view(dt) if numel else torch.empty(0, dtype=dt)).reshape(shape)
+    _disjoint(at)
+    return out
+
+
+def _disjoint(at: dict[int, tuple[str, str, list[int], int]]) -> None:
+    """Raise ``StateError`` when two stored tensors' bytes overlap (``at``: offset -> name, dtype,
+    shape, nbytes of each, aliases left out)."""
+    last_end, last = 0, ""
+    for offset in sorted(at):
+        name, _, _, nbytes = at[offset]
+        if offset < last_end:
+            raise StateError(f"snapshot tensors {last!r} and {name!r} overlap without being aliases")
+        last_end, last = offset + nbytes, name
+
+
+def clone_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` (name -> tensor) that keeps its aliases: names that are one tensor object
+    in ``state`` are one (new) tensor object in the copy."""
+    copies: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if id(t) not in copies:
+            copies[id(t)] = t.clone()
+        out[name] = copies[id(t)]
     return out
 
 
@@ -252,7 +327,7 @@ class SnapshotStream:
         self._uses[i] -= 1
         tensors = read_snapshot(self._data)
         if self._uses[i] > 0:
-            return {k: v.clone() for k, v in tensors.items()}
+            return clone_state(tensors)
         self._data = None  # the last use: the tensors alone keep the buffer
         return tensors
 

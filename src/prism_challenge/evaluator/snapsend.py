@@ -32,25 +32,47 @@ from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.statedict import DTYPES, StateError, tensor_bytes
 
 
+def aliases_of(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: first}`` for every entry of ``state`` that is the same tensor object as an earlier
+    entry ``first`` (in the dict's order; ``first`` is itself never an alias): the copy
+    :meth:`~prism_challenge.evaluator.runner.Runtime._state_before` takes once for a tied tensor
+    (two names, one storage, offset, shape, stride and dtype: an exact alias) and gives every name
+    of. Computed while every entry is alive, so no ``id`` can have been reused."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, t in state.items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
 def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]) -> int:
     """Send ``state`` as SNAPSHOT frames of batch ``step`` and SNAPSHOT_END, one tensor copied to
-    contiguous CPU memory at a time; the bytes sent. ``state`` is consumed: each entry leaves the
-    dict once it is sent, so on a GPU the copy's device memory goes back to the loop tensor by
-    tensor while it trains, and the host holds one tensor at a time.
+    contiguous CPU memory at a time; the bytes sent. A name whose tensor is the object an earlier
+    name's is (:func:`aliases_of`) goes as an alias frame: the header names the earlier one
+    (``alias``) and carries no payload, so a tied weight crosses the socket and lands on the
+    trusted disk once (:class:`~prism_challenge.evaluator.snapshots.SnapshotStore`). ``state`` is
+    consumed: each entry leaves the dict once it is sent, so on a GPU the copy's device memory
+    goes back to the loop tensor by tensor while it trains, and the host holds one tensor at a time.
 
     Raises:
         StateError: a dtype the harness cannot store.
         OSError: the socket closed.
     """
-    sent, count = 0, len(state)
+    sent, count, aliases = 0, len(state), aliases_of(state)
     for name in list(state):
         t = state.pop(name)
         if str(t.dtype) not in DTYPES:
             raise StateError(f"state tensor {name!r} has dtype {t.dtype}, which the harness cannot store")
+        head = {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "step": step}
+        if name in aliases:
+            protocol.send(sock, Kind.SNAPSHOT, {**head, "alias": aliases[name]})
+            continue
         cpu = t.detach().to("cpu").contiguous()
         payload = tensor_bytes(cpu)
-        protocol.send(sock, Kind.SNAPSHOT, {"name": name, "dtype": str(cpu.dtype), "shape": list(cpu.shape),
-                                            "step": step}, payload)
+        protocol.send(sock, Kind.SNAPSHOT, head, payload)
         sent += len(payload)
         del t, cpu, payload
     protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": count})

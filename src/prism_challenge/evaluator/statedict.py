@@ -140,7 +140,9 @@ def load_scored_state(model: torch.nn.Module, state: object) -> None:
     bf16, not copied into ``build_model``'s float32 parameters (issue 26). Scoring the snapshot
     as it is, is scoring the model that made the record; a dtype the loop chose changes nothing
     else. The floating buffers that are not in any ``state_dict`` (``persistent=False``: a RoPE
-    or mask cache ``build_model`` makes again) follow :func:`cast_unsaved_buffers`.
+    or mask cache ``build_model`` makes again) follow :func:`cast_unsaved_buffers`. Names that
+    are one tensor object in ``state`` (a tied weight) are one object in ``model``
+    (:func:`tie_aliases`).
 
     Raises:
         StateError: ``state`` is not a mapping of names to tensors.
@@ -151,7 +153,30 @@ def load_scored_state(model: torch.nn.Module, state: object) -> None:
         raise StateError(f"the state is a {type(state).__name__}, not a state_dict of named tensors")
     built = _dtypes(model)
     model.load_state_dict(state, strict=True, assign=True)
+    tie_aliases(model, state)
     cast_unsaved_buffers(model, state, built)
+
+
+def tie_aliases(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """After ``load_state_dict(state, assign=True)``: every name of ``state`` whose tensor is the
+    same object as an earlier name's (a tied weight, stored once in a snapshot:
+    :func:`~prism_challenge.evaluator.snapfile.read_snapshot`) gets that name's parameter (or
+    buffer) object itself in ``model``, as ``self.head.weight = self.tok.weight`` made it: the
+    loaded pair shares its storage but is two objects, which ``model.to(device)`` would copy
+    apart (one object is moved once, for both names). A name that is not a parameter (buffer)
+    of ``model`` where the first is one (a module's own ``_load_from_state_dict`` names) keeps
+    what ``load_state_dict`` gave it."""
+    first: dict[int, str] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name, t in state.items():
+        of = first.setdefault(id(t), name)
+        if of == name:
+            continue
+        for slots, kind in ((params, "_parameters"), (buffers, "_buffers")):
+            if name in slots and of in slots:
+                owner, _, leaf = name.rpartition(".")
+                getattr(model.get_submodule(owner) if owner else model, kind)[leaf] = slots[of]
 
 
 def _dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
