@@ -133,6 +133,8 @@ class VerdictPolicy(_Model):
     gap_penalty: float
     anomaly_ratio: float
     rank_epsilon_bpb: float
+    confirm_top_n: Annotated[int, Field(ge=0)] | None = None  # absent before issue 29
+    confirm_runs: Annotated[int, Field(ge=1)] | None = None
 
 
 class RunConfig(_Model):

@@ -37,6 +37,8 @@ DEFAULT_TAIL_FRACTION = 0.1
 DEFAULT_GAP_PENALTY = 0.5
 DEFAULT_ANOMALY_RATIO = 0.5
 DEFAULT_RANK_EPSILON_BPB = 0.01
+DEFAULT_CONFIRM_TOP_N = 3
+DEFAULT_CONFIRM_RUNS = 3
 
 
 class VerdictError(ValueError):
@@ -59,6 +61,10 @@ class Policy:
             keeps the run ranked: a high gap is strong but not conclusive evidence).
         anomaly_ratio: first-batch nats per target below ``ratio * ln V`` is zeroed; 0.5.
         rank_epsilon_bpb: bpb within which the held-out delta decides the order; 0.01.
+        confirm_top_n: the service confirms a submission whose first run's bpb would place it
+            among the first ``confirm_top_n`` entries (by their mean bpb); 3 (issue 29).
+        confirm_runs: the runs such a submission gets in all, each on a fresh secret seed
+            (K = 3: what record-setting challenges ask of a new record, issue 29).
     """
 
     tail_fraction: float = DEFAULT_TAIL_FRACTION
@@ -67,6 +73,8 @@ class Policy:
     gap_penalty: float = DEFAULT_GAP_PENALTY
     anomaly_ratio: float = DEFAULT_ANOMALY_RATIO
     rank_epsilon_bpb: float = DEFAULT_RANK_EPSILON_BPB
+    confirm_top_n: int = DEFAULT_CONFIRM_TOP_N
+    confirm_runs: int = DEFAULT_CONFIRM_RUNS
 
 
 def _steps(curve_or_steps: Any) -> list[tuple[float, int]]:
