@@ -76,7 +76,7 @@ def server(tmp_path_factory):
         ids["s5"] = _add(store, "dave", "c", scored(1.00, 0.10, zeroed=True))
         ids["s6"] = _add(store, "dave", "d", scored(0.50, 0.10), profile="prism-v2")  # another profile
         ids["s7"] = _add(store, "erin", "e", refused())
-        ids["s8"] = _add(store, "erin", "b", scored(1.505, 0.50), variant_of=ids["s3"])  # ties s2, better delta
+        ids["s8"] = _add(store, "erin", "b", scored(1.505, 0.50), variant_of=ids["s3"])  # s2 + 0.005, better delta
         ids["s9"] = _add(store, "carol", "f", None)  # pending
         yield base, app, ids
 
@@ -145,9 +145,10 @@ def test_the_leaderboard_has_each_hotkeys_best_in_rank_order(server):
     board = httpx.get(f"{base}/v1/leaderboard").json()
     assert board["profile"] == "local"
     got = [(e["rank"], e["hotkey"], e["submission_id"]) for e in board["entries"]]
-    # erin 1.505 ties bob 1.500 within 0.01 bpb and wins on held-out delta (0.5 > 0.1); bob's best is s2,
-    # not s4; dave's zeroed run is last whatever its bpb; s6 is under another profile
-    assert got == [(1, KEYS["erin"], ids["s8"]), (2, KEYS["bob"], ids["s2"]), (3, KEYS["carol"], ids["s3"]),
+    # one run each (no confirmed entry): by bpb, so bob's 1.500 leads erin's 1.505 although erin's
+    # held-out delta is better (it no longer orders, issue 29); bob's best is s2, not s4; dave's
+    # zeroed run is last whatever its bpb; s6 is under another profile
+    assert got == [(1, KEYS["bob"], ids["s2"]), (2, KEYS["erin"], ids["s8"]), (3, KEYS["carol"], ids["s3"]),
                    (4, KEYS["alice"], ids["s1"]), (5, KEYS["dave"], ids["s5"])]
 
 
@@ -155,10 +156,10 @@ def test_the_weights_family_split_by_hand(server):
     base, _, ids = server
     r = httpx.get(f"{base}/internal/v1/weights", headers={"Authorization": f"Bearer {TOKEN}"})
     got = r.json()
-    # best: erin's s8, a training variant of family b, whose first submission s3 is carol's:
-    # carol 0.6 (the architecture), erin 0.4 (the best training on it)
+    # best: bob's s2, a training variant of family a, whose first submission s1 is alice's:
+    # alice 0.6 (the architecture), bob 0.4 (the best training on it)
     assert (got["rule"], got["family_share"]) == ("family-split", 0.6)
-    assert got["weights"] == {k: w for k, w in sorted({KEYS["carol"]: 0.6, KEYS["erin"]: 0.4}.items())}
+    assert got["weights"] == {k: w for k, w in sorted({KEYS["alice"]: 0.6, KEYS["bob"]: 0.4}.items())}
     assert httpx.get(f"{base}/internal/v1/weights").status_code == 401
 
 
@@ -172,11 +173,11 @@ def test_the_weights_rules_on_entries(server):
     def owner_of(sid):
         return hotkey_of(store, store.submission(sid))
 
-    assert weights(entries, "winner-takes-all", owner_of=owner_of) == {KEYS["erin"]: 1.0}
-    without_erin = [e for e in entries if e.hotkey != KEYS["erin"]]
-    # best: bob's s2, a variant of alice's s1: alice 0.7, bob 0.3 at family_share 0.7
-    got = weights(without_erin, "family-split", family_share=0.7, owner_of=owner_of)
-    assert got == pytest.approx({KEYS["alice"]: 0.7, KEYS["bob"]: 0.3}) and list(got) == sorted(got)
+    assert weights(entries, "winner-takes-all", owner_of=owner_of) == {KEYS["bob"]: 1.0}
+    without_bob = [e for e in entries if e.hotkey != KEYS["bob"]]
+    # best: erin's s8, a variant of carol's s3: carol 0.7, erin 0.3 at family_share 0.7
+    got = weights(without_bob, "family-split", family_share=0.7, owner_of=owner_of)
+    assert got == pytest.approx({KEYS["carol"]: 0.7, KEYS["erin"]: 0.3}) and list(got) == sorted(got)
     only_roots = [e for e in entries if e.variant_of is None]
     # best: carol's s3 (1.8), her own family's first submission: carol holds both shares
     assert weights(only_roots, "family-split", owner_of=owner_of) == {KEYS["carol"]: 1.0}

@@ -126,30 +126,46 @@ def names(entries):
     return [e["id"] for e in entries]
 
 
-def test_rank_groups_from_the_best_bpb_not_by_chaining():
+def R(name, bpbs, t, **kw):
+    """An entry with several runs (seed repeats); its prequential_bpb is the first run's."""
+    return {"id": name, "prequential_bpb": bpbs[0], "bpbs": bpbs, "heldout_delta": 0.0, "submitted_at": t, **kw}
+
+
+def test_single_runs_rank_by_bpb_and_the_heldout_delta_no_longer_reorders():
     a, b, c = E("A", 1.000, 0.1, 1), E("B", 1.008, 0.5, 2), E("C", 1.016, 9.0, 3)
-    # A~B and B~C within 0.01 but not A~C: groups {A, B}, {C}; B passes A on delta, C passes nobody
-    assert names(rank([a, b, c], epsilon=0.01)) == ["B", "A", "C"]
-    # with epsilon 0.02 all three are one group: delta decides
-    assert names(rank([a, b, c], epsilon=0.02)) == ["C", "B", "A"]
-    # epsilon 0: pure bpb order
-    assert names(rank([c, b, a], epsilon=0.0)) == ["A", "B", "C"]
+    # before issue 29, B passed A within 0.01 bpb on its delta; no entry is confirmed (one run
+    # each): no test is possible and the lowest mean leads, the rest by mean
+    assert names(rank([c, b, a])) == ["A", "B", "C"]
+
+
+def test_the_crown_stays_with_the_earlier_of_two_copies_and_goes_to_a_clearly_better_model():
+    first = R("first", (1.010, 1.000, 1.004), 1)
+    copy = R("copy", (0.998, 1.002, 1.001), 2)  # lower mean by luck: one-sided Welch p = 0.136
+    assert names(rank([copy, first])) == ["first", "copy"]
+    better = R("better", (0.905, 0.899, 0.910), 3)
+    assert names(rank([copy, first, better])) == ["better", "copy", "first"]
+    # a single far lower run (not confirmed) does not take the crown; it is placed by its mean
+    assert names(rank([copy, first, E("lucky", 0.5, 0.0, 0)])) == ["first", "lucky", "copy"]
+    # p = 0.0071: below the default 0.01, not below a stricter 0.005
+    assert names(rank([first, R("closer", (0.990, 0.985, 0.988), 4)], significance_p=0.005)) == ["first", "closer"]
+    assert names(rank([first, R("closer", (0.990, 0.985, 0.988), 4)])) == ["closer", "first"]
 
 
 def test_rank_is_independent_of_input_order():
     entries = [E("A", 1.000, 0.1, 5), E("B", 1.004, 0.3, 4), E("C", 1.009, 0.2, 3), E("D", 1.011, 0.9, 2),
-               E("E", 1.013, None, 1), E("F", 1.030, 0.0, 0), E("G", 1.000, 0.1, 1)]
-    expected = names(rank(entries, epsilon=0.01))
-    # group 1 (leader G/A at 1.000: <= 1.010): A, B, C, G; group 2 (leader D 1.011: <= 1.021): D, E; group 3: F
-    # group 1 by delta desc: B(.3) C(.2) then A/G (.1) by bpb then time: G (t=1) before A (t=5)
-    assert expected == ["B", "C", "G", "A", "D", "E", "F"]
-    for perm in itertools.permutations(entries):
-        assert names(rank(list(perm), epsilon=0.01)) == expected
+               E("E", 1.013, None, 1), E("F", 1.030, 0.0, 0), E("G", 1.000, 0.1, 1),
+               R("H", (1.02, 1.03, 1.025), 6), R("I", (1.000, 1.002, 1.001), 7)]
+    expected = names(rank(entries))
+    # H and I are the only confirmed entries: H (earlier) holds the crown, I beats it at p = 0.0058;
+    # the rest by bpb (I's 1.001 is not first by mean: G and A are lower), G before A on time
+    assert expected == ["I", "G", "A", "B", "C", "D", "E", "H", "F"]
+    for perm in itertools.permutations(entries[:6]):
+        assert names(rank([*perm, *entries[6:]])) == expected
 
 
-def test_rank_missing_or_nan_delta_sorts_last_and_time_breaks_ties():
+def test_rank_time_breaks_ties_and_the_delta_does_not():
     entries = [E("late", 2.0, 0.5, 20), E("early", 2.0, 0.5, 10), E("nan", 2.0, math.nan, 0), E("none", 2.0, None, 1)]
-    assert names(rank(entries)) == ["early", "late", "nan", "none"]
+    assert names(rank(entries)) == ["nan", "none", "early", "late"]
 
 
 def test_rank_accepts_objects_and_refuses_bad_bpb():
@@ -161,8 +177,10 @@ def test_rank_accepts_objects_and_refuses_bad_bpb():
     assert rank([r1, r2]) == [r2, r1]
     with pytest.raises(VerdictError):
         rank([E("x", math.nan, 0.0, 0)])
-    with pytest.raises(VerdictError):
-        rank([], epsilon=-1)
+    with pytest.raises(VerdictError, match="significance p"):
+        rank([], significance_p=0.0)
+    with pytest.raises(VerdictError, match="group '0'"):
+        rank([{**E("x", 1.0, 0.0, 0), "bpbs": (1.0, math.inf)}])
 
 
 # -- assembled verdict ------------------------------------------------------------------------
@@ -321,10 +339,27 @@ def test_a_loop_that_stopped_before_its_budget_is_flagged_and_scored_the_same():
     steps = [StepRecord(0, 60.0, 10, 10)]
     bpb = 60 / LN2 / 10
     full = build_verdict(bpb, steps, 257, None, stop_reason="token_budget")
-    short = build_verdict(bpb, steps, 257, None, stop_reason="loop_stopped")
+    short = build_verdict(bpb, steps, 257, None, stop_reason="loop_stopped", covered=0.995)  # not "short"
     assert full.flags == ["heldout_unavailable"] and short.flags == ["heldout_unavailable", "loop_stopped"]
     assert short.final_score == full.final_score == pytest.approx(1 / (1 + bpb))
-    # the flag alone moves no run to another tier (the ranking's treatment is issue 29's)
+    # the flag alone moves no run to another tier; "short" does (below)
     short_entry = {"id": "short", "prequential_bpb": 1.0, "flags": ["loop_stopped"], "submitted_at": 1}
     full_entry = {"id": "full", "prequential_bpb": 1.5, "flags": [], "submitted_at": 0}
     assert [e["id"] for e in rank([full_entry, short_entry])] == ["short", "full"]
+
+
+def test_a_run_stopped_under_99_percent_of_its_budget_is_short_and_ranks_below_every_full_run():
+    steps = [StepRecord(0, 60.0, 10, 10)]
+    bpb = 60 / LN2 / 10
+    short = build_verdict(bpb, steps, 257, None, stop_reason="loop_stopped", covered=0.75)
+    nearly = build_verdict(bpb, steps, 257, None, stop_reason="loop_stopped", covered=0.995)
+    assert short.flags == ["heldout_unavailable", "loop_stopped", "short"] and "short" not in nearly.flags
+    assert short.final_score == nearly.final_score  # no figure changes: the ranking demotes it
+    clean_short = {"id": "short", "prequential_bpb": 0.5, "flags": ["loop_stopped", "short"], "submitted_at": 0}
+    clean = [{"id": "full", "prequential_bpb": 1.5, "flags": [], "submitted_at": 1}]
+    flagged = {"id": "flagged", "prequential_bpb": 1.0, "flags": ["memorization"], "memorization_penalty": 0.5,
+               "submitted_at": 2}
+    flagged_short = {**flagged, "id": "flagged-short", "flags": ["memorization", "short"], "prequential_bpb": 0.9}
+    zeroed = {"id": "zeroed", "prequential_bpb": 0.1, "final_score": 0.0, "submitted_at": 3}
+    got = [e["id"] for e in rank([zeroed, flagged_short, flagged, clean_short, *clean])]
+    assert got == ["full", "short", "flagged", "flagged-short", "zeroed"]

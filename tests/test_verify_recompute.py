@@ -23,15 +23,18 @@ FIXTURE = Path(__file__).parent / "data" / "scored_manifest.v2.json"
 SECRET = bytes(range(32))
 
 
-def manifest(*, stop_reason: str = "token_budget", policy: Policy = Policy(), record: bool = True) -> dict:
-    """The fixture, with no profile, ``stop_reason``, and its verdict built under ``policy``
-    (recorded in ``config.policy`` when ``record``)."""
+def manifest(*, stop_reason: str = "token_budget", policy: Policy = Policy(), record: bool = True,
+             tokens: int = 4000) -> dict:
+    """The fixture, with no profile, ``stop_reason``, ``tokens`` of its 4000-token budget, and its
+    verdict built under ``policy`` (recorded in ``config.policy`` when ``record``)."""
     m = json.loads(FIXTURE.read_text())
     m["profile"] = None
     m["stream"]["stop_reason"] = stop_reason
+    m["stream"]["tokens"] = tokens
+    assert m["budgets"]["token_budget"] == 4000
     m["config"]["policy"] = dataclasses.asdict(policy) if record else None
     v = build_verdict(m["score"]["prequential_bpb"], m["curve"], m["tokenizer"]["vocab_size"],
-                      m["verdict"]["heldout"], policy=policy, stop_reason=stop_reason)
+                      m["verdict"]["heldout"], policy=policy, stop_reason=stop_reason, covered=tokens / 4000)
     m["verdict"] = v.to_dict()
     return m
 
@@ -44,6 +47,26 @@ def test_a_loop_stopped_run_recomputes_with_its_flag_and_an_edit_of_it_is_named(
     m["verdict"]["flags"] = [f for f in m["verdict"]["flags"] if f != "loop_stopped"]
     with pytest.raises(Mismatch, match=r"^verdict\.flags"):
         check_verdict(m, policy)
+
+
+def test_a_short_run_recomputes_with_its_flag_from_the_stream_and_the_budget():
+    m = manifest(stop_reason="loop_stopped", tokens=3000)  # 75 % of the budget: short
+    assert m["verdict"]["flags"][-2:] == ["loop_stopped", "short"]
+    policy, _ = policy_of(m)
+    check_verdict(m, policy)
+    assert "short" not in manifest(stop_reason="loop_stopped", tokens=3990)["verdict"]["flags"]  # 99.75 %
+    m["stream"]["tokens"] = 3990  # an edited count no longer gives "short"
+    with pytest.raises(Mismatch, match=r"^verdict\.flags is \[.*'short'\] in the manifest"):
+        check_verdict(m, policy)
+
+
+def test_a_manifest_recording_the_old_rank_epsilon_reads_as_the_policy_without_it():
+    m = manifest()
+    m["config"]["policy"] = {k: v for k, v in m["config"]["policy"].items() if k != "significance_p"}
+    m["config"]["policy"]["rank_epsilon_bpb"] = 0.01  # before issue 29
+    policy, source = policy_of(m)
+    assert policy == Policy() and "records" in source
+    check_verdict(m, policy)
 
 
 def test_the_recorded_policy_is_the_one_recomputed_and_without_it_the_default_disagrees():

@@ -5,10 +5,14 @@ Runs are read from their manifests (directories, globs, or a folder of runs such
 repeat's). Runs are *comparable* when they share the comparability key (:func:`comparability`):
 the profile (name and sha256), the data MANIFEST sha256, the tokenizer basis (``bytes`` when no
 token or step budget makes the covered text depend on the tokenizer, else the tokenizer), the
-budgets and the world size. Each comparable group is ranked by
-:func:`prism_challenge.verdict.rank`; when there is more than one group a warning names the
-fields that differ. Seed repeats (same bundle sha256, same key and settings, different seeds)
-are summarised as mean and sample standard deviation (``statistics.stdev``, ddof=1).
+budgets and the world size. Each comparable group's runs are ranked by
+:func:`prism_challenge.verdict.rank` (each run an entry; a run stopped under 99 % of its budget
+is ``short``: :func:`prism_challenge.crown.is_short`); when there is more than one group a
+warning names the fields that differ. Seed repeats (same bundle sha256, same key and settings,
+different seeds) are summarised as mean and sample standard deviation (``statistics.stdev``,
+ddof=1). Every variant (a bundle and its settings, :func:`variant`) is then a group of seed
+runs, ranked by the crown rule (:func:`crown`: :func:`prism_challenge.crown.rank_groups`), with
+the one-sided Welch p against the first and the difference in mean bpb with its 95 % interval.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from prism_challenge.run_manifest import MANIFEST_NAME, load_run_manifest
+from prism_challenge.crown import (
+    DEFAULT_SIGNIFICANCE_P,
+    Difference,
+    RankedGroup,
+    RunGroup,
+    budget_share,
+    is_short,
+    rank_groups,
+    welch_difference,
+)
 from prism_challenge.verdict import rank
 
 KEY_FIELDS = ("profile", "data", "tokenizer basis", "budgets", "world size")
@@ -40,6 +54,13 @@ class Run:
     label: str = ""
 
     @property
+    def short(self) -> bool:
+        """The loop stopped the run under 99 % of its budget (recomputed from the manifest, so
+        runs from before the ``short`` flag count too)."""
+        stream = self.manifest.get("stream") or {}
+        return is_short(stream.get("stop_reason"), budget_share(stream, self.manifest.get("budgets") or {}))
+
+    @property
     def scored(self) -> bool:
         return self.manifest.get("status") == "scored" and (self.manifest.get("score") or {}).get(
             "prequential_bpb") is not None
@@ -47,12 +68,13 @@ class Run:
     def entry(self) -> dict[str, Any]:
         """The mapping :func:`~prism_challenge.verdict.rank` takes."""
         m, v = self.manifest, self.manifest.get("verdict") or {}
+        flags = list(v.get("flags", ["heldout_unavailable"] if not v else []))
         return {
             "id": str(self.run_dir), "run": self, "prequential_bpb": m["score"]["prequential_bpb"],
             "heldout_delta": (v.get("heldout") or {}).get("heldout_delta"), "submitted_at": m.get("created_at", ""),
             "anti_cheat_multiplier": v.get("anti_cheat_multiplier"), "final_score": v.get("final_score"),
             "memorization_penalty": v.get("memorization_penalty"),
-            "flags": v.get("flags", ["heldout_unavailable"] if not v else []),
+            "flags": flags + ["short"] if self.short and "short" not in flags else flags,
         }
 
 
@@ -181,3 +203,44 @@ def seed_repeats(group: Group) -> list[dict[str, Any]]:
                         "values": values}
         out.append(row)
     return sorted(out, key=lambda row: row["prequential_bpb"]["mean"])
+
+
+@dataclass(frozen=True)
+class CrownRow:
+    """One variant of a group ranked by the crown rule.
+
+    Attributes:
+        ranked: its place and figures (:class:`~prism_challenge.crown.RankedGroup`; bpb).
+        label: the bundle's directory name (``#2``... added when two variants share it).
+        runs: its runs, in the group's order.
+        vs_leader: ``mean - leader's mean`` with its 95 % Welch interval and p
+            (:func:`~prism_challenge.crown.welch_difference`); ``None`` for the leader and where
+            either side has fewer than 2 runs.
+    """
+
+    ranked: RankedGroup
+    label: str
+    runs: list[Run]
+    vs_leader: Difference | None
+
+
+def crown(group: Group, p: float = DEFAULT_SIGNIFICANCE_P) -> list[CrownRow]:
+    """The group's variants (:func:`variant`: a bundle and its settings; its seed runs) ranked by
+    :func:`~prism_challenge.crown.rank_groups`: order by the earliest ``created_at`` of each; short
+    when any of its runs is. Each row compared with its tier's first (:class:`CrownRow`)."""
+    by: dict[str, list[Run]] = {}
+    for r in group.runs:
+        by.setdefault(variant(r.manifest), []).append(r)
+    first = {k: min(str(r.manifest.get("created_at", "")) for r in runs) for k, runs in by.items()}
+    order = {k: i for i, k in enumerate(sorted(by, key=lambda k: (first[k], k)))}
+    labels: dict[str, str] = {}
+    for k in sorted(by, key=order.get):
+        name = Path((by[k][0].manifest.get("bundle") or {}).get("path", "?")).name
+        labels[k] = name if name not in labels.values() else f"{name}#{order[k] + 1}"
+    ranked = rank_groups([RunGroup(k, tuple(float(r.manifest["score"]["prequential_bpb"]) for r in runs), order[k],
+                                   short=any(r.short for r in runs)) for k, runs in by.items()], p)
+    leaders = {g.short: g for g in ranked if g.leads}
+    bpbs = {k: [float(r.manifest["score"]["prequential_bpb"]) for r in runs] for k, runs in by.items()}
+    return [CrownRow(g, labels[g.key], by[g.key],
+                     None if g.leads else welch_difference(bpbs[g.key], bpbs[leaders[g.short].key]))
+            for g in ranked]

@@ -13,15 +13,18 @@ from typing import Any
 
 from prism_challenge.compare import (
     CompareError,
+    CrownRow,
     Group,
     Run,
     find_runs,
     group_runs,
+    crown,
     load_runs,
     seed_repeats,
     variant,
     warnings,
 )
+from prism_challenge.crown import DEFAULT_SIGNIFICANCE_P
 
 HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "flags", "seed", "tokenizer", "bytes", "stop")
 CONSOLE_HIDDEN = ("tokenizer", "bytes")  # in the group's key line, and in the HTML report
@@ -45,7 +48,7 @@ def rows(group: Group) -> list[tuple[str, ...]]:
         delta = (v.get("heldout") or {}).get("heldout_delta")
         fs = v.get("final_score")
         out.append((str(i), r.label, "-" if fs is None else f"{fs:.6f}", f"{m['score']['prequential_bpb']:.6f}",
-                    "-" if delta is None else f"{delta:.4f}", ", ".join(v.get("flags", [])) or "-",
+                    "-" if delta is None else f"{delta:.4f}", ", ".join(r.entry()["flags"]) or "-",
                     str(m.get("seed")), (m.get("tokenizer") or {}).get("name", "?"), f"{m['score']['bytes']:,}",
                     (m.get("stream") or {}).get("stop_reason", "?")))
     return out
@@ -62,10 +65,33 @@ def repeat_rows(group: Group) -> list[tuple[str, ...]]:
 
 
 REPEAT_HEADERS = ("bundle", "n", "final_score mean ± std", "prequential_bpb mean ± std", "seeds")
+CROWN_HEADERS = ("#", "bundle", "n", "bpb mean ± std", "p vs #1", "Δ mean vs #1 [95 % CI]", "seeds")
+CROWN_NOTE = ("crown rule (prism_challenge.crown): a later bundle takes #1 only if its mean bpb is lower by a "
+              "one-sided Welch t-test at p < {p}; the rest by mean; p and Δ need 2+ runs on both sides")
 
 
-def print_report(console, groups: Sequence[Group], failed: Sequence[Run]) -> None:
-    """The console report: warnings, then per group its key, ranked table and seed repeats."""
+def crown_rows(rows_: Sequence[CrownRow]) -> list[tuple[str, ...]]:
+    """The crown table's rows (strings, :data:`CROWN_HEADERS` order): Δ is ``mean - #1's mean``
+    (bpb) with its Welch 95 % interval; ``-`` where no test is possible."""
+    out = []
+    for row in rows_:
+        g, d = row.ranked, row.vs_leader
+        place = f"{g.place}" + (" short" if g.short else "")
+        diff = "-" if d is None else f"{d.diff:+.6f} [{d.low:+.6f}, {d.high:+.6f}]"
+        out.append((place, row.label, str(g.n), f"{g.mean:.6f}" + ("" if g.std is None else f" ± {g.std:.6f}"),
+                    "-" if g.p is None else f"{g.p:.3g}", diff,
+                    ", ".join(str(r.manifest.get("seed")) for r in row.runs)))
+    return out
+
+
+def crown_shown(rows_: Sequence[CrownRow]) -> bool:
+    """The crown table is printed when it compares something: two variants, or seed repeats."""
+    return len(rows_) > 1 or any(r.ranked.n > 1 for r in rows_)
+
+
+def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: float = DEFAULT_SIGNIFICANCE_P) -> None:
+    """The console report: warnings, then per group its key, ranked table, seed repeats and the
+    crown table of its bundles (significance level ``p``)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -91,6 +117,15 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run]) -> Non
             for row in reps:
                 rt.add_row(*map(escape, row))
             console.print(rt)
+        crowned = crown(g, p)
+        if crown_shown(crowned):
+            ct = Table(title=f"group {n}: bundles by the crown rule", caption=escape(CROWN_NOTE.format(p=p)),
+                       caption_justify="left", box=box.SIMPLE_HEAD)
+            for h in CROWN_HEADERS:
+                ct.add_column(h, overflow="fold")
+            for row in crown_rows(crowned):
+                ct.add_row(*map(escape, row))
+            console.print(ct)
     for r in failed:
         f = r.manifest.get("failure") or {}
         console.print(f"not ranked (failed at stage {f.get('stage')}): {r.label}: {f.get('message')}",
@@ -103,7 +138,8 @@ def _table_html(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
 
 
-def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes | None) -> str:
+def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes | None,
+                p: float = DEFAULT_SIGNIFICANCE_P) -> str:
     """One self-contained HTML file: warnings, each group's ranked table and seed repeats, failed
     runs, and the learning-curve plot as inline SVG (template: ``templates/compare.html``)."""
     parts = [f'<p class="warn">WARNING: {html.escape(w)}</p>' for w in warnings(groups)]
@@ -114,6 +150,10 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
         reps = repeat_rows(g)
         if reps:
             parts.append("<h3>Seed repeats (std: sample, ddof=1)</h3>" + _table_html(REPEAT_HEADERS, reps))
+        crowned = crown(g, p)
+        if crown_shown(crowned):
+            parts.append("<h3>Bundles by the crown rule</h3><p class='note'>" + html.escape(CROWN_NOTE.format(p=p))
+                         + "</p>" + _table_html(CROWN_HEADERS, crown_rows(crowned)))
     if failed:
         parts.append("<h2>Not ranked (failed)</h2>" + _table_html(
             ("run", "stage", "message"),
@@ -132,10 +172,14 @@ def add_compare_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="rank runs as the challenge does; warn on runs that are not comparable",
                        description="Rank run directories exactly as the challenge ranks them "
                        "(prism_challenge.verdict.rank), grouping runs that are not comparable (another profile, "
-                       "data MANIFEST, tokenizer basis, budgets or world size) and summarising seed repeats.")
+                       "data MANIFEST, tokenizer basis, budgets or world size), summarising seed repeats, and ranking "
+                       "bundles by the crown rule: one-sided Welch p against the first, and the difference in mean "
+                       "bpb with its 95 % interval.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, folders of runs, or globs (prism-runs/*)")
     p.add_argument("--plot", metavar="FILE", help="write the learning curves (bpb against bytes scored): .png or .svg")
     p.add_argument("--html", metavar="FILE", help="write one HTML file with the tables and the plot")
+    p.add_argument("--significance-p", type=float, default=DEFAULT_SIGNIFICANCE_P, metavar="P",
+                   help=f"the crown rule's level (one-sided Welch t-test), in (0, 1); default {DEFAULT_SIGNIFICANCE_P}")
     p.set_defaults(func=cmd_compare)
 
 
@@ -147,19 +191,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     console, err = Console(), Console(stderr=True)
     try:
+        if not 0.0 < args.significance_p < 1.0:
+            raise CompareError(f"--significance-p {args.significance_p}: must be in (0, 1)")
         if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
             raise PlotError(f"--plot {args.plot}: the file name must end in .png or .svg")
         runs = load_runs(find_runs(args.runs))
         groups = group_runs(runs)
         failed = [r for r in runs if not r.scored]
-        print_report(console, groups, failed)
+        print_report(console, groups, failed, args.significance_p)
         shown = [r for g in groups for r in g.runs]
         fig = learning_curve_figure([run_curve(r.manifest, r.label) for r in shown],
                                     colour_by=[variant(r.manifest) for r in shown]) if shown else None
         if args.plot and fig is not None:
             console.print(f"plot: {save_figure(fig, args.plot)}", markup=False, highlight=False, soft_wrap=True)
         if args.html:
-            Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None))
+            Path(args.html).write_text(html_report(groups, failed, figure_bytes(fig, "svg") if fig else None,
+                                                  args.significance_p))
             console.print(f"report: {args.html}", markup=False, highlight=False, soft_wrap=True)
     except (CompareError, PlotError, OSError) as exc:
         from rich.markup import escape

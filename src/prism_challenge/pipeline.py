@@ -78,7 +78,7 @@ from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_mani
 from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
 from prism_challenge.scoringprecision import scoring_autocast, scoring_record
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
-from prism_challenge.verdict import build_verdict
+from prism_challenge.verdict import budget_share, build_verdict
 
 DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long to exit
 DRAIN_S = 5.0  # after torchrun exited, the feeder gets this long to read the ranks' last frames
@@ -588,7 +588,8 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
                                                   context_values(config, opts.nproc), key=key)
                 verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                         heldout_error=heldout_error, policy=opts.policy,
-                                        stop_reason=result.stop_reason)
+                                        stop_reason=result.stop_reason, covered=budget_share(
+                                            _stream_counts(result), _budgets(opts)))
                 if heldout_error is not None and heldout_error.startswith("contract:"):
                     # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                     verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
@@ -885,6 +886,18 @@ def _one_line(error: str, log: Path) -> str:
     return line + (f"; hint: {hint}" if hint else "") + where
 
 
+def _budgets(opts: EvalOptions) -> dict[str, Any]:
+    """The run manifest's ``budgets`` (also :func:`~prism_challenge.crown.budget_share`'s)."""
+    return {"token_budget": opts.token_budget, "byte_budget": opts.byte_budget, "step_budget": opts.step_budget,
+            "wall_clock_budget_s": opts.wall_clock_budget}
+
+
+def _stream_counts(result: FeederResult) -> dict[str, int]:
+    """The run manifest's ``stream`` counts: batches, tokens, targets and bytes the stream covered."""
+    return {"batches": len(result.steps), "tokens": result.tokens_consumed,
+            "targets": sum(s.targets for s in result.steps), "bytes": sum(s.bytes for s in result.steps)}
+
+
 def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score, failure, findings,
               param_count_gate, planted, state_path, timing) -> dict[str, Any]:
     done = result.done
@@ -919,12 +932,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
         "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads,
                    **scoring_record(opts, bundle),
                    "policy": dataclasses.asdict(opts.policy)},
-        "budgets": {
-            "token_budget": opts.token_budget,
-            "byte_budget": opts.byte_budget,
-            "step_budget": opts.step_budget,
-            "wall_clock_budget_s": opts.wall_clock_budget,
-        },
+        "budgets": _budgets(opts),
         "compute": {
             "torch_version": torch.__version__,
             "python": platform.python_version(),
@@ -946,13 +954,7 @@ def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score
             "state_sha256_per_rank": {str(r): d.get("state_sha256") for r, d in sorted(done.items())},
             "state_path": str(state_path) if state_path else None,
         },
-        "stream": {
-            "stop_reason": result.stop_reason,
-            "batches": len(result.steps),
-            "tokens": result.tokens_consumed,
-            "targets": sum(s.targets for s in result.steps),
-            "bytes": sum(s.bytes for s in result.steps),
-        },
+        "stream": {"stop_reason": result.stop_reason, **_stream_counts(result)},
         "score": None if score is None else {
             "total_nats": score.total_nats,
             "total_bits": score.total_bits,

@@ -132,7 +132,8 @@ class VerdictPolicy(_Model):
     gap_floor_bpb: float
     gap_penalty: float
     anomaly_ratio: float
-    rank_epsilon_bpb: float
+    significance_p: float | None = None  # the crown rule's level (absent before issue 29)
+    rank_epsilon_bpb: float | None = None  # the tie width before issue 29 (never a verdict figure)
     confirm_top_n: Annotated[int, Field(ge=0)] | None = None  # absent before issue 29
     confirm_runs: Annotated[int, Field(ge=1)] | None = None
 

@@ -18,17 +18,31 @@ the held-out evaluation). Units: nats for losses, bits per UTF-8 byte (bpb) for 
   to uniform on the first batch, ``~ ln V`` nats per target. A first-batch loss below half of
   that is knowledge the model brought with it (constants baked into the source): zeroed.
 * **Final score** (:func:`final_score`): ``a * m / (1 + prequential_bpb)``.
-* **Ranking** (:func:`rank`): prequential bpb first; held-out delta only between entries within
-  ``epsilon`` bpb of a group's best; then submission time.
+* **Ranking** (:func:`rank`): tiers (clean, flagged, zeroed; short runs below full ones), and in
+  each the crown rule of :mod:`prism_challenge.crown` (re-exported here): first place changes
+  hands only by a one-sided Welch t-test at ``p < significance_p`` between groups of seed
+  repeats; the other places by mean bpb, then submission time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prism_challenge.crown import (
+    DEFAULT_SIGNIFICANCE_P,
+    CrownError,
+    Difference,
+    RankedGroup,
+    RunGroup,
+    budget_share,
+    is_short,
+    rank_groups,
+    welch_difference,
+    welch_p,
+)
 from prism_challenge.gapnoise import DEFAULT_GAP_FLOOR_BPB, DEFAULT_GAP_Z, GapNoiseError, gap_noise, tail_units
 
 LN2 = math.log(2.0)
@@ -36,7 +50,6 @@ LN2 = math.log(2.0)
 DEFAULT_TAIL_FRACTION = 0.1
 DEFAULT_GAP_PENALTY = 0.5
 DEFAULT_ANOMALY_RATIO = 0.5
-DEFAULT_RANK_EPSILON_BPB = 0.01
 DEFAULT_CONFIRM_TOP_N = 3
 DEFAULT_CONFIRM_RUNS = 3
 
@@ -60,7 +73,9 @@ class Policy:
         gap_penalty: the multiplier applied when the gap is flagged; 0.5 (halves the score,
             keeps the run ranked: a high gap is strong but not conclusive evidence).
         anomaly_ratio: first-batch nats per target below ``ratio * ln V`` is zeroed; 0.5.
-        rank_epsilon_bpb: bpb within which the held-out delta decides the order; 0.01.
+        significance_p: the crown rule's level: a challenger takes first place only when a
+            one-sided Welch t-test says its mean bpb is lower at ``p < significance_p``
+            (:mod:`prism_challenge.crown`); 0.01.
         confirm_top_n: the service confirms a submission whose first run's bpb would place it
             among the first ``confirm_top_n`` entries (by their mean bpb); 3 (issue 29).
         confirm_runs: the runs such a submission gets in all, each on a fresh secret seed
@@ -72,9 +87,15 @@ class Policy:
     gap_floor_bpb: float = DEFAULT_GAP_FLOOR_BPB
     gap_penalty: float = DEFAULT_GAP_PENALTY
     anomaly_ratio: float = DEFAULT_ANOMALY_RATIO
-    rank_epsilon_bpb: float = DEFAULT_RANK_EPSILON_BPB
+    significance_p: float = DEFAULT_SIGNIFICANCE_P
     confirm_top_n: int = DEFAULT_CONFIRM_TOP_N
     confirm_runs: int = DEFAULT_CONFIRM_RUNS
+
+    @classmethod
+    def from_record(cls, recorded: Mapping[str, Any]) -> Policy:
+        """The policy a run manifest records (``config.policy``). ``rank_epsilon_bpb``, the
+        ranking's tie width before issue 29, is dropped: no verdict figure ever depended on it."""
+        return cls(**{k: v for k, v in recorded.items() if k != "rank_epsilon_bpb"})
 
 
 def _steps(curve_or_steps: Any) -> list[tuple[float, int]]:
@@ -197,55 +218,45 @@ def _get(e: Any, key: str) -> Any:
     return e.get(key) if isinstance(e, Mapping) else getattr(e, key, None)
 
 
-def _delta_key(d: Any) -> float:
-    """Held-out delta for sorting, descending; a missing or NaN delta sorts last."""
-    if d is None or not isinstance(d, (int, float)) or math.isnan(d):
-        return math.inf
-    return -float(d)
+def rank(entries: Iterable[Any], significance_p: float = DEFAULT_SIGNIFICANCE_P) -> list[Any]:
+    """Order entries for a leaderboard by the crown rule: a deterministic total order.
 
+    Each entry (a mapping or an object) is one submission (or one bundle's runs) with
+    ``prequential_bpb`` (bpb), ``submitted_at`` (any comparable value: a timestamp or an
+    ISO-8601 UTC string), an optional ``id`` (breaks exact ties) and optional ``bpbs``: the bpb
+    of each of its runs (seed repeats; without it the entry is one run of ``prequential_bpb``).
 
-def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> list[Any]:
-    """Order runs for a leaderboard: a deterministic total order.
-
-    Each entry (a mapping or an object) has ``prequential_bpb``, ``heldout_delta`` (may be
-    ``None``) and ``submitted_at`` (any comparable value: a timestamp or an ISO-8601 UTC string);
-    an optional ``id`` breaks exact ties.
-
-    1. Sort by ``(prequential_bpb, submitted_at, id)``.
-    2. Greedy groups: the first entry not yet grouped leads a group, which takes every later
-       entry with ``bpb <= leader_bpb + epsilon``; the next group starts at the first entry past
-       that. "Within epsilon" is measured from the group's best bpb, never chained: with
-       ``A = 1.000``, ``B = 1.008``, ``C = 1.016`` and ``epsilon = 0.01``, A and B tie, B and C
-       would, but the groups are ``{A, B}`` and ``{C}`` (C never passes A on delta).
-    3. Groups in order; inside a group: ``heldout_delta`` descending (missing or NaN last), then
-       ``prequential_bpb``, ``submitted_at``, ``id`` ascending.
-
-    Three tiers, each ordered as above: clean runs; then flagged runs (``memorization_penalty <
-    1``, or ``flags`` holding ``"memorization"`` or ``"heldout_unavailable"``: a stream score
-    the held-out text does not back, or none to back it, e.g. a loop that hung after its last
-    batch so no trained state was collected); then zeroed runs (``anti_cheat_multiplier == 0``
-    or ``final_score == 0``: smuggled knowledge, or found non-causal by a held-out probe). A
-    prequential score is single-pass, so an honest model's tail cannot beat its held-out bpb by
-    whole bits: a cheat's low bpb never puts it ahead of a run whose score the held-out backs.
-    Entries without these keys are clean.
+    Three tiers: clean entries; then flagged ones (``memorization_penalty < 1``, or ``flags``
+    holding ``"memorization"`` or ``"heldout_unavailable"``: a stream score the held-out text
+    does not back, or none to back it); then zeroed ones (``anti_cheat_multiplier == 0`` or
+    ``final_score == 0``: smuggled knowledge, or found non-causal by a held-out probe). Inside
+    each, entries flagged ``"short"`` (the loop stopped under 99 % of its budget:
+    :func:`prism_challenge.crown.is_short`) rank below the full ones. Each (sub-)tier is ordered
+    by :func:`prism_challenge.crown.rank_groups`: first the crown holder (among entries with two
+    or more runs, the earliest submission unless a later one's mean bpb is lower by a one-sided
+    Welch t-test at ``p < significance_p``; without such entries the lowest mean), then by mean
+    bpb, then ``submitted_at``, then ``id``. The held-out delta does not order entries.
 
     The result depends on the set of entries only, not on their input order (when ``id`` or
-    the other keys tell every pair apart).
+    the other keys tell every pair apart). Entries without these keys are clean.
 
     Raises:
-        VerdictError: ``epsilon`` negative, or an entry without a finite ``prequential_bpb``.
+        VerdictError: ``significance_p`` outside (0, 1), or an entry without a finite
+            ``prequential_bpb`` or with a non-finite value in ``bpbs``.
     """
-    if not epsilon >= 0:
-        raise VerdictError(f"rank epsilon {epsilon} must be >= 0")
+    if not 0.0 < significance_p < 1.0:
+        raise VerdictError(f"significance p {significance_p} must be in (0, 1)")
     items = list(entries)
     for e in items:
         b = _get(e, "prequential_bpb")
         if not isinstance(b, (int, float)) or not math.isfinite(b):
             raise VerdictError(f"entry {e!r}: prequential_bpb {b!r} must be a finite number")
 
-    def base_key(e: Any) -> tuple:
-        ident = _get(e, "id")
-        return (float(_get(e, "prequential_bpb")), _get(e, "submitted_at"), "" if ident is None else str(ident))
+    def submitted(i: int) -> tuple:
+        ident = _get(items[i], "id")
+        return (_get(items[i], "submitted_at"), "" if ident is None else str(ident))
+
+    order = {i: n for n, i in enumerate(sorted(range(len(items)), key=submitted))}
 
     def zeroed(e: Any) -> bool:
         return _get(e, "anti_cheat_multiplier") == 0 or _get(e, "final_score") == 0
@@ -257,23 +268,18 @@ def rank(entries: Iterable[Any], epsilon: float = DEFAULT_RANK_EPSILON_BPB) -> l
         flagged = isinstance(penalty, (int, float)) and penalty < 1
         return 1 if flagged or "memorization" in flags or "heldout_unavailable" in flags else 0
 
-    return [e for t in (0, 1, 2) for e in _grouped([e for e in items if tier(e) == t], epsilon, base_key)]
+    def group(i: int) -> RunGroup:
+        e = items[i]
+        bpbs = tuple(_get(e, "bpbs") or (_get(e, "prequential_bpb"),))
+        return RunGroup(key=str(i), bpbs=bpbs, order=order[i], short="short" in (_get(e, "flags") or ()))
 
-
-def _grouped(items: list[Any], epsilon: float, base_key: Callable[[Any], tuple]) -> list[Any]:
-    """Steps 1-3 of :func:`rank` on ``items``."""
-    ordered = sorted(items, key=base_key)
     out: list[Any] = []
-    i = 0
-    while i < len(ordered):
-        leader = float(_get(ordered[i], "prequential_bpb"))
-        j = i
-        while j < len(ordered) and float(_get(ordered[j], "prequential_bpb")) <= leader + epsilon:
-            j += 1
-        group = ordered[i:j]
-        group.sort(key=lambda e: (_delta_key(_get(e, "heldout_delta")),) + base_key(e))
-        out.extend(group)
-        i = j
+    for t in (0, 1, 2):
+        try:
+            ranked = rank_groups([group(i) for i, e in enumerate(items) if tier(e) == t], significance_p)
+        except CrownError as exc:
+            raise VerdictError(f"rank: {exc}") from None
+        out += [items[int(r.key)] for r in ranked]
     return out
 
 
@@ -303,7 +309,8 @@ class Verdict:
         final_score: ``anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``.
         flags: short names of everything flagged (``"anomaly"``, ``"memorization"``,
             ``"heldout_unavailable"``, ``"loop_stopped"``: the loop ended before its budget,
-            no figure changed).
+            no figure changed; ``"short"``: it ended under 99 % of its budget, ranked in the
+            lower tier).
     """
 
     prequential_bpb: float
@@ -348,6 +355,7 @@ def build_verdict(
     heldout_error: str | None = None,
     policy: Policy = Policy(),
     stop_reason: str | None = None,
+    covered: float | None = None,
 ) -> Verdict:
     """Assemble the verdict of a scored run (for the manifest and the console summary).
 
@@ -364,6 +372,10 @@ def build_verdict(
             budget) adds the flag ``loop_stopped`` and changes no figure: the audit's bound holds
             at any stop (:mod:`~prism_challenge.evaluator.auditplan`), and how a ranking treats
             a short run is the ranking's decision.
+        covered: the share of its budget the run covered
+            (:func:`prism_challenge.crown.budget_share`; ``None``: no countable budget). A
+            ``loop_stopped`` run under 99 % of it is also flagged ``short``
+            (:func:`prism_challenge.crown.is_short`): :func:`rank` puts it below the full runs.
 
     Raises:
         VerdictError: no bytes scored or no steps (the run must fail instead of scoring).
@@ -406,6 +418,8 @@ def build_verdict(
         heldout_error = heldout_error or "the held-out evaluation did not run"
     if stop_reason == "loop_stopped":
         flags.append("loop_stopped")
+    if is_short(stop_reason, covered):
+        flags.append("short")
     return Verdict(
         prequential_bpb=prequential_bpb,
         tail_bpb=tail,
@@ -441,3 +455,8 @@ def _noise(steps: Any, policy: Policy, ho: Mapping[str, Any]) -> dict[str, Any]:
                          floor=policy.gap_floor_bpb).to_dict()
     except GapNoiseError as exc:
         raise VerdictError(f"memorization noise: {exc}") from None
+
+
+__all__ = ["CrownError", "DEFAULT_SIGNIFICANCE_P", "Difference", "LN2", "Policy", "RankedGroup", "RunGroup", "Verdict",
+           "VerdictError", "anomaly", "budget_share", "build_verdict", "final_score", "is_short", "memorization",
+           "rank", "rank_groups", "tail_bpb", "welch_difference", "welch_p"]

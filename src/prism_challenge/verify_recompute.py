@@ -101,7 +101,7 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
         recorded = {k: v for k, v in recorded.items() if v is not None}
     if rec is None or "policy" in rec.get("overridden", []):
         if recorded is not None:
-            return Policy(**recorded), "the policy the manifest records (no profile's)"
+            return Policy.from_record(recorded), "the policy the manifest records (no profile's)"
         if rec is not None:
             raise Mismatch(f"verdict: the run overrode profile {rec['name']}'s policy, which the manifest does not record")
         return Policy(), "the default policy (no profile)"
@@ -113,7 +113,7 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
         raise Mismatch(f"verdict: profile {p.name} ({p.path}) hashes to {p.sha256}, the run's to {rec['sha256']} "
                        "(pass --profile FILE with the run's profile)")
     policy = p.options.get("policy", Policy())
-    if recorded is not None and Policy(**recorded) != policy:
+    if recorded is not None and Policy.from_record(recorded) != policy:
         raise Mismatch(f"verdict: the manifest records the policy {recorded}, profile {p.name}'s is {policy}")
     return policy, f"profile {p.name} v{p.version}"
 
@@ -158,13 +158,14 @@ def recompute_verdict(m: dict[str, Any], policy: Any) -> dict[str, Any]:
     import dataclasses
 
     from prism_challenge.auditstage import apply as apply_audit
-    from prism_challenge.verdict import VerdictError, build_verdict
+    from prism_challenge.verdict import VerdictError, budget_share, build_verdict
 
     v, audit = m["verdict"], m.get("audit")
     try:
         again = build_verdict(m["score"]["prequential_bpb"], m["curve"], m["tokenizer"]["vocab_size"], v.get("heldout"),
                               heldout_error=v.get("heldout_error"), policy=policy,
-                              stop_reason=m["stream"].get("stop_reason"))
+                              stop_reason=m["stream"].get("stop_reason"),
+                              covered=budget_share(m["stream"], m["budgets"]))
     except VerdictError as exc:
         raise Mismatch(f"verdict: cannot be recomputed: {exc}") from None
     if (v.get("heldout_error") or "").startswith("contract:"):

@@ -193,6 +193,9 @@ def _policy(t: dict[str, Any], where: str) -> Policy:
     if "gap_threshold_bpb" in t:
         raise ProfileError(f"{where}: [policy] gap_threshold_bpb: no longer a setting: the memorization threshold "
                            "is measured in each run, max(gap_floor_bpb, gap_z * se_gap); set gap_z and gap_floor_bpb")
+    if "rank_epsilon_bpb" in t:
+        raise ProfileError(f"{where}: [policy] rank_epsilon_bpb: no longer a setting: runs within a width no longer "
+                           "tie; the crown rule's Welch test decides first place at p < significance_p")
     for key in sorted(set(t) - known):
         raise ProfileError(f"{where}: [policy] {key}: unknown key; allowed: {sorted(known)}")
     values = {k: _check(where, f"[policy] {k}", v, _INT if k in _INT_POLICY else _NUM) for k, v in t.items()}
@@ -200,7 +203,10 @@ def _policy(t: dict[str, Any], where: str) -> Policy:
         if values[key] < (1 if key == "confirm_runs" else 0):
             raise ProfileError(f"{where}: [policy] {key} = {values[key]}: must be at least "
                                f"{1 if key == 'confirm_runs' else 0}")
-    return Policy(**{k: v if k in _INT_POLICY else float(v) for k, v in values.items()})
+    policy = Policy(**{k: v if k in _INT_POLICY else float(v) for k, v in values.items()})
+    if not 0.0 < policy.significance_p < 1.0:
+        raise ProfileError(f"{where}: [policy] significance_p = {policy.significance_p}: must be in (0, 1)")
+    return policy
 
 
 def _data(t: dict[str, Any], where: str) -> DataPin:

@@ -35,6 +35,7 @@ from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings, publish_key
 from prism_challenge.service.slowclients import header_timeout_protocol
 from prism_challenge.service.store import Store
+from prism_challenge.verdict import Policy
 
 log = logging.getLogger("prism.service")
 INTAKES_AT_ONCE = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -126,7 +127,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.dispatcher = None
     app.state.plots = OrderedDict()  # routes/pages.py: rendered curve PNGs by run id
     app.state.clock = utcnow  # service/findings.py: when a timed suspension ends
-    app.state.epsilon = profile.options["policy"].rank_epsilon_bpb if "policy" in profile.options else 0.01
+    app.state.significance_p = profile.options.get("policy", Policy()).significance_p  # the crown rule's level
     app.state.signing = publish_key(settings)  # routes/ops.py: GET /version; the pages' header
     errors.install(app)
     app.add_exception_handler(errors.ApiError, _counted)

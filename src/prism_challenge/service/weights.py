@@ -2,12 +2,12 @@
 
 Both start from the scored entries of the service's profile
 (:func:`prism_challenge.service.queries.scored_entries`) and order them with
-:func:`prism_challenge.verdict.rank` under the profile's ``rank_epsilon_bpb`` (the one ranking
-of the challenge: ``prism compare`` uses it too).
+:func:`prism_challenge.verdict.rank` under the profile's ``significance_p`` (the crown rule, the
+one ranking of the challenge: ``prism compare`` uses it too).
 
 Leaderboard (:func:`leaderboard`): one entry per hotkey, its best run: the hotkey's first entry
-in the ranking of every entry; those bests are then ranked again among themselves (the greedy
-epsilon groups depend on the set ranked).
+in the ranking of every entry; those bests are then ranked again among themselves (the crown's holder depends on the set
+ranked).
 
 Weights (:func:`weights`), normalized to sum to 1 over hotkeys; only entries with a
 ``final_score`` above 0 are eligible (a zeroed run earns nothing); no eligible entry: no
@@ -31,24 +31,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prism_challenge.service.queries import Entry
-from prism_challenge.verdict import DEFAULT_RANK_EPSILON_BPB, rank
+from prism_challenge.verdict import DEFAULT_SIGNIFICANCE_P, rank
 
 
-def leaderboard(entries: Iterable[Entry], epsilon: float = DEFAULT_RANK_EPSILON_BPB, *,
+def leaderboard(entries: Iterable[Entry], significance_p: float = DEFAULT_SIGNIFICANCE_P, *,
                 excluded: frozenset[str] = frozenset()) -> list[Entry]:
     """One entry per hotkey (its best), in rank order; the hotkeys of ``excluded`` left out.
 
     Raises:
-        prism_challenge.verdict.VerdictError: a non-finite bpb (a harness bug) or a negative epsilon.
+        prism_challenge.verdict.VerdictError: a non-finite bpb (a harness bug) or ``significance_p``
+            outside (0, 1).
     """
     best: dict[str, Entry] = {}
-    for e in rank([e for e in entries if e.hotkey not in excluded], epsilon):
+    for e in rank([e for e in entries if e.hotkey not in excluded], significance_p):
         best.setdefault(e.hotkey, e)
-    return rank(best.values(), epsilon)
+    return rank(best.values(), significance_p)
 
 
 def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
-            owner_of: Callable[[int], str], epsilon: float = DEFAULT_RANK_EPSILON_BPB,
+            owner_of: Callable[[int], str], significance_p: float = DEFAULT_SIGNIFICANCE_P,
             excluded: frozenset[str] = frozenset()) -> dict[str, float]:
     """The weight of each hotkey (sorted by hotkey; zero weights left out).
 
@@ -58,7 +59,7 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
         family_share: ``family-split``'s share of the family's author, in [0, 1].
         owner_of: the hotkey of a submission id (the family's first submission may have no
             scored run).
-        epsilon: the ranking's epsilon, bpb.
+        significance_p: the crown rule's level (:func:`prism_challenge.verdict.rank`).
         excluded: suspended hotkeys: no entry of theirs is ranked, no share paid to them.
 
     Raises:
@@ -68,7 +69,7 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
         raise ValueError(f"weights rule {rule!r}: must be family-split or winner-takes-all")
     if not 0.0 <= family_share <= 1.0:
         raise ValueError(f"family_share {family_share}: must be in [0, 1]")
-    ranked = rank([e for e in entries if e.final_score > 0 and e.hotkey not in excluded], epsilon)
+    ranked = rank([e for e in entries if e.final_score > 0 and e.hotkey not in excluded], significance_p)
     if not ranked:
         return {}
     best = ranked[0]

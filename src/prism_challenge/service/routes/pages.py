@@ -37,7 +37,7 @@ def _page(request: Request, name: str, **context) -> HTMLResponse:
 @router.get("/", response_class=HTMLResponse)
 def leaderboard_page(request: Request) -> HTMLResponse:
     """The leaderboard."""
-    return _page(request, "leaderboard.html", entries=board(request), epsilon=request.app.state.epsilon)
+    return _page(request, "leaderboard.html", entries=board(request), significance_p=request.app.state.significance_p)
 
 
 def error_page(request: Request, exc: ApiError) -> HTMLResponse:

@@ -180,7 +180,7 @@ def board(request: Request) -> list[dict]:
     """The leaderboard's entries (also the leaderboard page's)."""
     state = request.app.state
     counted, suspended = counted_entries(request, provisional=True)
-    entries = leaderboard(counted, state.epsilon, excluded=suspended)
+    entries = leaderboard(counted, state.significance_p, excluded=suspended)
     return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
              "bpb_std": e.bpb_std, "runs": len(e.bpbs), "provisional": e.provisional, "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
              "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
@@ -207,7 +207,7 @@ def get_weights(request: Request) -> dict:
 
     counted, suspended = counted_entries(request)
     w = weights(counted, settings.weights_rule,
-                family_share=settings.family_share, owner_of=owner_of, epsilon=state.epsilon,
+                family_share=settings.family_share, owner_of=owner_of, significance_p=state.significance_p,
                 excluded=suspended)
     return {"profile": state.profile.name, "rule": settings.weights_rule, "family_share": settings.family_share,
             "weights": w}
