@@ -161,3 +161,22 @@ def test_the_api_shows_a_seed_only_once_its_run_ended(tmp_path):
         assert (row["provisional"], row["runs"]) == (False, 3)
         assert row["prequential_bpb"] == statistics.fmean([2.0, 2.5, 2.3])
         assert row["bpb_std"] == pytest.approx(statistics.stdev([2.0, 2.5, 2.3]), rel=1e-12)
+
+
+def test_the_profile_sets_the_confirmation_knobs_as_integers(tmp_path):
+    from prism_challenge.profiles import ProfileError, load_profile
+
+    base = (Path(__file__).parent.parent / "src" / "prism_challenge" / "profiles" / "local.toml").read_text()
+    assert (load_profile("local").options["policy"].confirm_top_n, Policy().confirm_runs) == (3, 3)
+    for extra, error in (("confirm_top_n = 5\nconfirm_runs = 2\n", None),
+                         ("confirm_runs = 0\n", "[policy] confirm_runs = 0: must be at least 1"),
+                         ("confirm_top_n = 2.5\n", "[policy] confirm_top_n = 2.5: must be int")):
+        path = tmp_path / "p.toml"
+        path.write_text(base.replace("[policy]", "[policy]\n" + extra, 1))
+        if error is None:
+            policy = load_profile(str(path)).options["policy"]
+            assert (policy.confirm_top_n, policy.confirm_runs) == (5, 2) and isinstance(policy.confirm_runs, int)
+            continue
+        with pytest.raises(ProfileError) as info:
+            load_profile(str(path))
+        assert error in str(info.value) and str(path) in str(info.value)

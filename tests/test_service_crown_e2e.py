@@ -63,7 +63,7 @@ def test_twins_are_confirmed_the_first_keeps_the_crown_and_a_clearly_better_mode
             ids.append(r.json()["id"])
         a, b = ids
         wait(lambda: _final(store, a) and _final(store, b), "the twins' 3 runs each", timeout=1500, every=1.0)
-        board = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
+        board = httpx.get(f"{base}/v1/leaderboard", timeout=120).json()["entries"]
         assert [(e["submission_id"], e["runs"], e["provisional"]) for e in board] == [(a, 3, False), (b, 3, False)]
         assert board[0]["hotkey"] == ALICE
         body = _zip(better)
@@ -71,8 +71,8 @@ def test_twins_are_confirmed_the_first_keeps_the_crown_and_a_clearly_better_mode
         assert r.status_code == 202, r.text
         c = r.json()["id"]
         wait(lambda: _final(store, c), "the better model's 3 runs", timeout=1500, every=1.0)
-        views = {sid: httpx.get(f"{base}/v1/submissions/{sid}").json() for sid in (a, b, c)}
-        board = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
+        views = {sid: httpx.get(f"{base}/v1/submissions/{sid}", timeout=120).json() for sid in (a, b, c)}
+        board = httpx.get(f"{base}/v1/leaderboard", timeout=120).json()["entries"]
     assert not ray.is_initialized()
     for sid, view in views.items():
         assert view["status"] == "completed" and [r["run"] for r in view["runs"]] == [0, 1, 2]
