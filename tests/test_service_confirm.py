@@ -180,3 +180,39 @@ def test_the_profile_sets_the_confirmation_knobs_as_integers(tmp_path):
         with pytest.raises(ProfileError) as info:
             load_profile(str(path))
         assert error in str(info.value) and str(path) in str(info.value)
+
+
+def test_migration_0006_keeps_a_completed_run_of_0005_as_run_0_and_confirms_nothing_old(tmp_path):
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine, text
+
+    from prism_challenge.service.store import MIGRATIONS
+
+    db = tmp_path / "old.sqlite3"
+    engine = create_engine(f"sqlite:///{db}")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as c:
+        config.attributes["connection"] = c
+        command.upgrade(config, "0005")
+        t = "'2026-01-01 00:00:00'"
+        c.execute(text(f"INSERT INTO submitters VALUES (1, '{KEYS[0]}', {t})"))
+        c.execute(text("INSERT INTO submissions (id, submitter_id, bundle_sha256, status, attempts, max_attempts, "
+                       f"created_at, updated_at, finished_at, profile) VALUES (1, 1, 'x', 'completed', 1, 3, {t}, {t}, "
+                       f"{t}, 'p')"))
+        c.execute(text("INSERT INTO attempts (id, submission_id, number, started_at, finished_at, outcome, token) "
+                       f"VALUES (1, 1, 1, {t}, {t}, 'completed', '{'a' * 32}')"))
+        c.execute(text("INSERT INTO runs (id, attempt_id, submission_id, status, prequential_bpb, final_score, "
+                       f"manifest, created_at) VALUES (1, 1, 1, 'scored', 2.5, 0.25, :m, {t})"),
+                  {"m": json.dumps(SCORED)})
+    engine.dispose()
+    store = Store(f"sqlite:///{db}")
+    try:
+        sub, (attempt,), (run,) = store.submission(1), store.attempts(1), store.runs_of(1)
+        assert (sub.runs_wanted, sub.run_base, attempt.run_index, attempt.seed) == (1, 0, 0, None)
+        assert (run.run_index, run.seed, run.prequential_bpb) == (0, None, 2.5)
+        (entry,) = scored_entries(store, "p")
+        assert entry.bpbs == (SCORED["verdict"]["prequential_bpb"],) and not entry.provisional
+    finally:
+        store.close()
