@@ -151,6 +151,7 @@ def test_the_api_shows_a_seed_only_once_its_run_ended(tmp_path):
         assert [h["seed"] for h in v["history"]] == [first.seed, None]
         (row,) = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
         assert (row["submission_id"], row["provisional"], row["runs"], row["bpb_std"]) == (sid, True, 1, None)
+        assert '1 <span class="note">provisional</span>' in httpx.get(f"{base}/", timeout=60).text
         store.record(second.token, scored(2.5), policy_of=lambda _n: POLICY)
         third = store.claim(sid)
         store.record(third.token, scored(2.3), policy_of=lambda _n: POLICY)
@@ -159,6 +160,8 @@ def test_the_api_shows_a_seed_only_once_its_run_ended(tmp_path):
             (first.seed, 1 / 3.0), (second.seed, 1 / 3.5), (third.seed, 1 / 3.3)]
         (row,) = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
         assert (row["provisional"], row["runs"]) == (False, 3)
+        page = httpx.get(f"{base}/", timeout=60).text
+        assert "provisional</span>" not in page and f'{statistics.fmean([2.0, 2.5, 2.3]):.4f} ± ' in page
         assert row["prequential_bpb"] == statistics.fmean([2.0, 2.5, 2.3])
         assert row["bpb_std"] == pytest.approx(statistics.stdev([2.0, 2.5, 2.3]), rel=1e-12)
 
