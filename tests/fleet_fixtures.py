@@ -64,6 +64,16 @@ confirm_runs = 2              # a top submission gets one confirmation run (the 
 TRIVIAL = REPO / "bench" / "bundles" / "trivial" / "architecture.py"
 
 
+def operator_key() -> None:
+    """The operator's signing key in the test session's state directory, as ``prism serve`` makes
+    it at start (a dispatcher started alone finds none: every run would fail at stage config)."""
+    from prism_challenge.certificate import create_key_file
+    from prism_challenge.service.settings import default_signing_key_file
+
+    if not default_signing_key_file().exists():
+        create_key_file(default_signing_key_file())
+
+
 def fixture_data(root: Path) -> Path:
     """The prepared fixture data directory under ``root`` (400 generated documents)."""
     src = write_jsonl(root / "docs.jsonl", make_rows(400, seed=11))
@@ -100,11 +110,7 @@ def direct_evaluate(bundle: Path, data: Path, profile, out_dir: Path, seed: int 
 def world(tmp_path_factory):
     """The fixture data directory, the profile, the tiny bundle (folder and zip) and its direct
     ``evaluate()`` result on a seed (``world["direct"](seed)``, each seed run once)."""
-    from prism_challenge.certificate import create_key_file
-    from prism_challenge.service.settings import default_signing_key_file
-
-    if not default_signing_key_file().exists():  # the operator's key, as `prism serve` makes it at start
-        create_key_file(default_signing_key_file())
+    operator_key()
     root = tmp_path_factory.mktemp("fleet")
     data = fixture_data(root)
     (root / "fleet-test.toml").write_text(PROFILE_TOML)

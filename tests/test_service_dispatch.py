@@ -70,7 +70,7 @@ def test_a_submission_is_evaluated_on_ray_bit_exact_with_evaluate(world, service
     wait(lambda: not named_actors(), "the finished attempts' actors to be killed", timeout=30)
     # the revealed seed repeats the run with `prism eval --seed` (strict isolation, the same bundle and data)
     run = store.runs_of(sid)[1]
-    out = world["root"] / "cli-run"
+    out = world["root"] / f"cli-run-{run.seed}"  # the module's world is shared by both databases
     proc = subprocess.run([sys.executable, "-m", "prism_challenge.cli", "eval", str(world["bundle"]), "--profile",
                            str(world["root"] / "fleet-test.toml"), "--data", world["data"], "--seed", str(run.seed),
                            "--out", str(out), "--json", "--quiet"], capture_output=True, text=True, timeout=600)
