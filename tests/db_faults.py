@@ -61,6 +61,8 @@ class DroppedResultWrite:
     Args:
         store: the store whose sessions are watched (the dispatcher's).
         faults: submission id -> ``"before"`` or ``"after"`` (the commit).
+        run_index: only a write that ends an attempt of this run (0: the first, 1: the first
+            confirmation run, issue 29); ``None``: any.
 
     Attributes:
         fired: ``(submission id, when, backend pid or None)`` of each drop made, in order.
@@ -69,11 +71,11 @@ class DroppedResultWrite:
         ValueError: a ``when`` that is not one of :data:`WHEN`.
     """
 
-    def __init__(self, store: Store, faults: dict[int, str]):
+    def __init__(self, store: Store, faults: dict[int, str], *, run_index: int | None = None):
         bad = {sid: when for sid, when in faults.items() if when not in WHEN}
         if bad:
             raise ValueError(f"faults {bad}: each must be one of {WHEN}")
-        self.store, self.faults = store, dict(faults)
+        self.store, self.faults, self.run_index = store, dict(faults), run_index
         self.fired: list[tuple[int, str, int | None]] = []
         self._lock = threading.Lock()
         self._postgres = store.engine.dialect.name == "postgresql"
@@ -91,7 +93,8 @@ class DroppedResultWrite:
     def _finished(self, session) -> int | None:
         """The submission of an attempt this flush gives an outcome, or ``None``."""
         for obj in session.dirty:
-            if isinstance(obj, Attempt) and inspect(obj).attrs.outcome.history.added:
+            if isinstance(obj, Attempt) and inspect(obj).attrs.outcome.history.added and (
+                    self.run_index is None or obj.run_index == self.run_index):
                 return obj.submission_id
         return None
 

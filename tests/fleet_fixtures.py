@@ -1,7 +1,8 @@
 """Shared fixtures of the dispatcher's tests on Ray (tests/test_service_dispatch.py,
-tests/test_service_multinode.py): the fixture data directory, the test profile, the tiny bundle
-(folder and zip) and its direct ``evaluate()`` result; a fresh database, blob store and
-dispatchers per test; waiting and counting helpers."""
+tests/test_service_multinode.py): the fixture data directory, the test profile (it confirms a
+top submission on 2 runs in all: issue 29), the tiny bundle (folder and zip) and its direct
+``evaluate()`` result on any seed (each service run draws its own secret seed); a fresh
+database, blob store and dispatchers per test; waiting and counting helpers."""
 
 from __future__ import annotations
 
@@ -54,10 +55,23 @@ token_budget = 4096
 
 [heldout]
 bytes = 4000
+
+[policy]
+confirm_runs = 2              # a top submission gets one confirmation run (the default 3: twice the tests' time)
 """
 
 
 TRIVIAL = REPO / "bench" / "bundles" / "trivial" / "architecture.py"
+
+
+def operator_key() -> None:
+    """The operator's signing key in the test session's state directory, as ``prism serve`` makes
+    it at start (a dispatcher started alone finds none: every run would fail at stage config)."""
+    from prism_challenge.certificate import create_key_file
+    from prism_challenge.service.settings import default_signing_key_file
+
+    if not default_signing_key_file().exists():
+        create_key_file(default_signing_key_file())
 
 
 def fixture_data(root: Path) -> Path:
@@ -79,12 +93,14 @@ def trivial_bundle(folder: Path, lr: float = 0.05) -> tuple[Path, bytes]:
     return bundle, buf.getvalue()
 
 
-def direct_evaluate(bundle: Path, data: Path, profile, out_dir: Path):
+def direct_evaluate(bundle: Path, data: Path, profile, out_dir: Path, seed: int | None = None):
     """``evaluate()`` of ``bundle`` under ``profile`` as the service runs it (strict isolation),
-    in this process; asserts it scored."""
+    in this process, on ``seed`` (``None``: the profile's); asserts it scored."""
     t0 = time.monotonic()
+    options = {**profile.options, "seed": profile.options["seed"] if seed is None else seed}
+    overridden = [] if seed is None or seed == profile.options["seed"] else ["seed"]
     direct = evaluate(EvalOptions(bundle=str(bundle), data_dir=str(data), out_dir=str(out_dir), isolation="strict",
-                                  profile=profile, profile_overridden=[], **profile.options))
+                                  profile=profile, profile_overridden=overridden, **options))
     assert direct.status == "scored", direct.failure
     print(f"direct evaluate(): {time.monotonic() - t0:.1f} s")
     return direct
@@ -93,14 +109,21 @@ def direct_evaluate(bundle: Path, data: Path, profile, out_dir: Path):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The fixture data directory, the profile, the tiny bundle (folder and zip) and its direct
-    ``evaluate()`` result (run before any Ray starts)."""
+    ``evaluate()`` result on a seed (``world["direct"](seed)``, each seed run once)."""
+    operator_key()
     root = tmp_path_factory.mktemp("fleet")
     data = fixture_data(root)
     (root / "fleet-test.toml").write_text(PROFILE_TOML)
     profile = load_profile(str(root / "fleet-test.toml"))
     bundle, zipped = trivial_bundle(root / "bundle")
-    direct = direct_evaluate(bundle, data, profile, root / "direct")
-    return {"root": root, "data": str(data), "profile": profile, "zip": zipped, "direct": direct}
+    done: dict[int, object] = {}
+
+    def direct(seed: int):
+        if seed not in done:
+            done[seed] = direct_evaluate(bundle, data, profile, root / f"direct-{seed}", seed)
+        return done[seed]
+
+    return {"root": root, "data": str(data), "profile": profile, "zip": zipped, "direct": direct, "bundle": bundle}
 
 
 @pytest.fixture
@@ -152,14 +175,26 @@ def counts(store: Store, sid: int) -> tuple[int, int]:
     return attempts, runs
 
 
-def assert_same_as_direct(store: Store, sid: int, direct) -> None:
-    run = store.result_of(sid)
-    assert run.status == "scored" and run.prequential_bpb == direct.prequential_bpb  # bit-exact
-    m, d = run.manifest, direct.manifest
-    assert m["score"] == d.score.model_dump(mode="json")
-    assert m["curve"]["nats_per_target"] == d.curve.nats_per_target and len(d.curve.nats_per_target) >= 8
-    assert m["bundle"]["sha256"] == d.bundle.sha256 and m["isolation"]["isolated"] is True
-    assert m["profile"]["name"] == PROFILE and m["profile"]["overridden"] == []
+def assert_same_as_direct(store: Store, sid: int, direct, runs: int = 2, exact: tuple[int, ...] = (0, 1)) -> None:
+    """Submission ``sid`` has ``runs`` scored runs, each on its own secret seed (never the
+    profile's, its scoring attempt's); the runs of index in ``exact`` bit-exact with
+    ``direct(seed)``: ``evaluate()`` run in this process on the seed its manifest reveals (one
+    evaluation each: the fault tests name the run their fault struck)."""
+    rows = store.runs_of(sid)
+    assert [r.run_index for r in rows] == list(range(runs)) and store.submission(sid).runs_wanted == runs
+    attempts = {a.id: a for a in store.attempts(sid)}
+    seeds = [r.seed for r in rows]
+    assert len(set(seeds)) == runs and 1234 not in seeds
+    for run in rows:
+        assert run.seed == run.manifest["seed"] == attempts[run.attempt_id].seed and run.status == "scored"
+    assert len({r.prequential_bpb for r in rows}) == runs  # the seed is the init's: each run its own score
+    for run in (r for r in rows if r.run_index in exact):
+        d, m = direct(run.seed).manifest, run.manifest
+        assert run.prequential_bpb == d.score.prequential_bpb  # bit-exact
+        assert m["score"] == d.score.model_dump(mode="json")
+        assert m["curve"]["nats_per_target"] == d.curve.nats_per_target and len(d.curve.nats_per_target) >= 8
+        assert m["bundle"]["sha256"] == d.bundle.sha256 and m["isolation"]["isolated"] is True
+        assert m["profile"]["name"] == PROFILE and m["profile"]["overridden"] == ["seed"]
 
 
 def stage(actor) -> str | None:

@@ -253,6 +253,6 @@ def test_migration_0005_keeps_the_rows_of_0004_which_count_per_hotkey_but_no_add
         assert exc.code == "too-many-in-flight"
         assert _refusal(store, _hotkey(_seed(2)), "198.51.100.1", _limits(per_address=1)) is None
         with store.engine.connect() as c:
-            assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0005",)]
+            assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0006",)]
     finally:
         store.close()

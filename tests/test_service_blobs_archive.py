@@ -160,7 +160,7 @@ def test_the_0002_migration_keeps_rows_made_under_0001(tmp_path):
     assert (row.source_sha256, row.family_sha256, row.variant_of, row.profile) == ("11" * 32, "22" * 32, 1, "prism-v2")
     store.close()
     con = sqlite3.connect(tmp_path / "db.sqlite3")
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0005",)]
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0006",)]
     indexes = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"ix_submissions_source_sha256", "ix_submissions_family_sha256", "ix_submissions_variant_of",
             "ix_submissions_profile"} <= indexes

@@ -155,7 +155,7 @@ def test_prism_serve_migrates_names_its_profile_and_serves(tmp_path):
     import sqlite3
 
     con = sqlite3.connect(db)
-    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0005",)]
+    assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0006",)]
     con.close()
 
 

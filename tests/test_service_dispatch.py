@@ -1,13 +1,16 @@
 """Evaluation on Ray with fenced, exactly-once results (issue 17 item 4, issue 18 items 1-2): a
 real local Ray (2 CPUs, one per module), a real SQLite file, real strict-isolation runs of a tiny
-bundle on fixture data. End to end against ``evaluate()`` run directly (bit-exact); the Ray
-worker SIGKILLed mid-run; the service process SIGKILLed mid-run and a new dispatcher
-reconciling (a running attempt adopted, a lost one re-dispatched, one that finished while no
-dispatcher ran collected); the database connection dropped while the dispatcher writes a result,
-before and after the commit. Every test asserts the database: attempts and runs per submission."""
+bundle on fixture data. End to end against ``evaluate()`` run directly on the seed each run
+reveals (bit-exact), ``prism eval --seed`` included; the Ray worker SIGKILLed mid-run; the
+service process SIGKILLed mid-run and a new dispatcher reconciling (a running attempt adopted, a
+lost one re-dispatched, one that finished while no dispatcher ran collected); the database
+connection dropped while the dispatcher writes a result, before and after the commit. Every
+submission is confirmed (the test profile: 2 runs, issue 29), and the faults strike confirmation
+runs too. Every test asserts the database: attempts and runs (one per run) per submission."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -59,32 +62,43 @@ def test_a_submission_is_evaluated_on_ray_bit_exact_with_evaluate(world, service
         final(store, sid)
     finally:
         d.stop()
-    wall, direct = store.result_of(sid).manifest["timing"]["wall_s"], world["direct"].manifest.timing.wall_s
-    print(f"submit to completed on Ray: {time.monotonic() - t0:.1f} s; evaluate() wall on Ray {wall:.1f} s, "
-          f"direct {direct:.1f} s")
-    assert store.submission(sid).status == "completed" and counts(store, sid) == (1, 1)
+    print(f"submit to completed on Ray (2 runs): {time.monotonic() - t0:.1f} s")
+    assert store.submission(sid).status == "completed" and counts(store, sid) == (2, 2), [
+        (a.outcome, a.failure_stage, a.failure_message) for a in store.attempts(sid)]
     assert_same_as_direct(store, sid, world["direct"])
-    (attempt,) = store.attempts(sid)
-    assert attempt.outcome == "completed" and attempt.node and " pid " in attempt.node
-    wait(lambda: not named_actors(), "the finished attempt's actor to be killed", timeout=30)
+    assert all(a.outcome == "completed" and a.node and " pid " in a.node for a in store.attempts(sid))
+    wait(lambda: not named_actors(), "the finished attempts' actors to be killed", timeout=30)
+    # the revealed seed repeats the run with `prism eval --seed` (strict isolation, the same bundle and data)
+    run = store.runs_of(sid)[1]
+    out = world["root"] / f"cli-run-{run.seed}"  # the module's world is shared by both databases
+    proc = subprocess.run([sys.executable, "-m", "prism_challenge.cli", "eval", str(world["bundle"]), "--profile",
+                           str(world["root"] / "fleet-test.toml"), "--data", world["data"], "--seed", str(run.seed),
+                           "--out", str(out), "--json", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = json.loads((out / "prism_run_manifest.v2.json").read_text())
+    assert again["seed"] == run.seed and again["score"]["prequential_bpb"] == run.prequential_bpb  # to the last bit
+    assert again["curve"]["nats_per_target"] == run.manifest["curve"]["nats_per_target"]
 
 
 def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service):
     store, blobs, make = service
     sid = submit(store, blobs, world["zip"])
     d = make().start()
-    token = wait(lambda: next(iter(d.in_flight), None), "the attempt to be dispatched")
+    # the confirmation run's worker is killed (run 1: it is claimed once run 0 is written)
+    token = wait(lambda: next((t for t, c in d.in_flight.items() if c.run_index == 1), None),
+                 "the confirmation run to be dispatched")
     actor = d.actor(token)
     wait(lambda: stage(actor) in ("gates", "stream", "heldout"), "the run to reach the gates")
     pid = ray.get(actor.where.remote())["pid"]
     os.kill(pid, signal.SIGKILL)
     final(store, sid)
-    first, second = store.attempts(sid)
-    assert (first.outcome, first.failure_stage, first.failure_kind) == ("retry", "dispatch", "infrastructure")
-    assert "the Ray worker of attempt 1 died" in first.failure_message
-    assert second.outcome == "completed" and counts(store, sid) == (2, 1)
-    assert store.result_of(sid).attempt_id == second.id
-    assert_same_as_direct(store, sid, world["direct"])
+    first, killed, again = store.attempts(sid)
+    assert (first.run_index, first.outcome, killed.run_index, again.run_index) == (0, "completed", 1, 1)
+    assert (killed.outcome, killed.failure_stage, killed.failure_kind) == ("retry", "dispatch", "infrastructure")
+    assert "the Ray worker of attempt 2 died" in killed.failure_message and killed.seed != again.seed
+    assert again.outcome == "completed" and counts(store, sid) == (3, 2)
+    assert [r.attempt_id for r in store.runs_of(sid)] == [first.id, again.id]
+    assert_same_as_direct(store, sid, world["direct"], exact=(1,))
 
 
 def test_a_sigkilled_service_is_reconciled_by_the_next_dispatcher(world, service, tmp_path):
@@ -115,26 +129,27 @@ def test_a_sigkilled_service_is_reconciled_by_the_next_dispatcher(world, service
     d.start()
     assert (d.reconciled.adopted, d.reconciled.lost) == ([running], [gone])
     final(store, running, gone)
-    assert counts(store, running) == (1, 1) and store.attempts(running)[0].outcome == "completed"
-    lost, redone = store.attempts(gone)
+    assert counts(store, running) == (2, 2) and [a.outcome for a in store.attempts(running)] == ["completed"] * 2
+    lost, redone, confirmed = store.attempts(gone)
     assert (lost.outcome, lost.failure_stage) == ("retry", "dispatch") and "was gone" in lost.failure_message
-    assert redone.outcome == "completed" and counts(store, gone) == (2, 1)
-    for sid in (running, gone):
-        assert_same_as_direct(store, sid, world["direct"])
-    # an attempt that finished while no dispatcher ran is collected by the next one
+    assert (redone.outcome, confirmed.outcome, confirmed.run_index) == ("completed", "completed", 1)
+    assert counts(store, gone) == (3, 2)
+    for sid in (running, gone):  # adopted, and lost then redone: their first runs
+        assert_same_as_direct(store, sid, world["direct"], exact=(0,))
+    # a confirmation run that finished while no dispatcher ran is collected by the next one
     later = submit(store, blobs, world["zip"])
-    token = wait(lambda: next((tok for tok, c in d.in_flight.items() if c.submission_id == later), None),
-                  "the third attempt to be dispatched")
+    token = wait(lambda: next((tok for tok, c in d.in_flight.items() if c.submission_id == later and c.run_index == 1),
+                              None), "the third submission's confirmation run to be dispatched")
     actor = d.actor(token)
     d.stop()
-    wait(lambda: ray.get(actor.progress.remote())["done"], "the third run to end with no dispatcher")
-    assert store.submission(later).status == "running"
+    wait(lambda: ray.get(actor.progress.remote())["done"], "the confirmation run to end with no dispatcher")
+    assert store.submission(later).status == "running" and [r.run_index for r in store.runs_of(later)] == [0]
     d2 = make()
     d2.start()
     assert d2.reconciled.adopted == [later]
     final(store, later, timeout=30)
-    assert counts(store, later) == (1, 1)
-    assert_same_as_direct(store, later, world["direct"])
+    assert counts(store, later) == (2, 2)
+    assert_same_as_direct(store, later, world["direct"], exact=(1,))
     # an actor outliving its written result (the service died between the write and the kill)
     # is killed by the next reconcile; one whose token the database does not know is left alone
     ended = store.attempts(running)[0].token
@@ -161,7 +176,7 @@ def test_a_dropped_database_connection_during_the_dispatchers_result_write_is_re
 
     store, blobs, make = service
     lost, unanswered = submit(store, blobs, world["zip"]), submit(store, blobs, world["zip"])
-    drops = DroppedResultWrite(store, {lost: "before", unanswered: "after"})
+    drops = DroppedResultWrite(store, {lost: "before", unanswered: "after"}, run_index=1)  # the confirmation runs
     d = make()
     try:
         with caplog.at_level(logging.INFO, logger="prism_challenge.service"):
@@ -175,14 +190,17 @@ def test_a_dropped_database_connection_during_the_dispatchers_result_write_is_re
         (lost, "before", postgres), (unanswered, "after", postgres)]
     rounds = [r for r in caplog.records if "a round failed; retrying" in r.getMessage()]
     assert len(rounds) == 2 and all(r.exc_info[0].__name__ == "OperationalError" for r in rounds)
-    writes = [r.getMessage() for r in caplog.records if " -> completed (" in r.getMessage()]
-    assert sorted(writes) == sorted([f"submission {lost}: attempt 1 scored -> completed (written)",
-                                     f"submission {unanswered}: attempt 1 scored -> completed (duplicate)"])
+    writes = [r.getMessage() for r in caplog.records if " scored -> " in r.getMessage()]
+    assert sorted(writes) == sorted([f"submission {lost}: attempt 1 scored -> pending (written)",
+                                     f"submission {unanswered}: attempt 1 scored -> pending (written)",
+                                     f"submission {lost}: attempt 2 scored -> completed (written)",
+                                     f"submission {unanswered}: attempt 2 scored -> completed (duplicate)"])
     assert not [r for r in caplog.records if "discarded" in r.getMessage()]
     for sid in (lost, unanswered):
-        assert store.submission(sid).status == "completed" and counts(store, sid) == (1, 1)
-        (attempt,) = store.attempts(sid)
-        assert attempt.outcome == "completed" and store.result_of(sid).attempt_id == attempt.id
-        assert_same_as_direct(store, sid, world["direct"])
+        assert store.submission(sid).status == "completed" and counts(store, sid) == (2, 2)
+        attempts = store.attempts(sid)
+        assert [a.outcome for a in attempts] == ["completed"] * 2
+        assert [r.attempt_id for r in store.runs_of(sid)] == [a.id for a in attempts]
+        assert_same_as_direct(store, sid, world["direct"], exact=(1,))  # the dropped write's run
     assert store.running() == [] and unowned(store) == []
     assert d._thread.is_alive()  # the loop lived through both drops

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from fake_ray import FakeRay
 from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 
+from prism_challenge.profiles import load_profile
 from prism_challenge.results import EvalResult, RunManifest
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.dispatch import Dispatcher
@@ -39,9 +41,21 @@ HOTKEY = "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY"
 PG_REFUSAL = '(psycopg.errors.InvalidTextRepresentation) invalid input syntax for type integer: "refused"'
 
 
-def _scored() -> EvalResult:
-    m = RunManifest.model_validate(json.loads(SCORED.read_text()))
+def _scored(seed: int | None = None) -> EvalResult:
+    """The real scored manifest (``seed``: recorded as the run's, as the pipeline records the job's seed)."""
+    doc = json.loads(SCORED.read_text())
+    if seed is not None:
+        doc["seed"] = seed
+    m = RunManifest.model_validate(doc)
     return EvalResult(status="scored", kind=None, failure=None, run_dir=None, manifest_path=None, manifest=m)
+
+
+def _single_run() -> dict:
+    """The dispatcher's ``profiles``: ``local`` without confirmation (``confirm_top_n = 0``), for
+    the tests of one run per submission."""
+    local = load_profile("local")
+    policy = replace(local.options["policy"], confirm_top_n=0)
+    return {"local": replace(local, options={**local.options, "policy": policy})}
 
 
 @pytest.fixture
@@ -56,10 +70,12 @@ def blobs(tmp_path):
     return BlobStore(tmp_path / "blobs")
 
 
-def _dispatcher(store: Store, blobs, monkeypatch, **kw) -> tuple[Dispatcher, FakeRay]:
+def _dispatcher(store: Store, blobs, monkeypatch, *, confirm: bool = False, **kw) -> tuple[Dispatcher, FakeRay]:
     kw.setdefault("slots", 3)
+    if not confirm:
+        kw.setdefault("profiles", _single_run())
     d = Dispatcher(store, blobs, max_attempts=3, backoff_base_s=0.0, poll_s=0.01, **kw)
-    cluster = FakeRay(lambda _job: _scored())
+    cluster = FakeRay(lambda job: _scored(job.seed if confirm else None))  # confirm: the seed each job ran on
     cluster.install(d, monkeypatch)
     d._last_reconcile = time.monotonic()  # the rounds skip reconcile (RECONCILE_S = 60 s)
     return d, cluster
@@ -182,6 +198,42 @@ def test_a_claim_whose_launch_lost_the_connection_is_launched_under_its_token_an
     assert (attempt.heartbeat_at - attempt.started_at).total_seconds() >= 2 * gap_s  # heartbeated while kept
     assert [a.job.token for a in cluster.actors] == [attempt.token] and cluster.actors[0].killed
     assert store.result_of(sid).prequential_bpb == SCORED_BPB and d._unlaunched == {}
+
+
+def test_confirmation_runs_under_database_faults_end_with_one_result_each(store, blobs, monkeypatch):
+    """A submission confirmed at the top (the local profile: 3 runs): its second run's write goes
+    over a dropped connection twice, its third run's is refused once; each run is written once,
+    by one attempt, on its own secret seed, and the submission completes after the third."""
+    sid = store.submit(HOTKEY, blobs.put(b"PK\x03\x04 a bundle"))
+    d, cluster = _dispatcher(store, blobs, monkeypatch, confirm=True)
+    d.step()  # run 0's claim and actor
+    d.step()  # its result: pending again (confirmation), run 1 claimed and launched
+    assert (_status(store, sid), store.submission(sid).runs_wanted, _counts(store, sid)) == ("running", 3, (2, 1))
+    faults = RefusedResultWrite(store, {sid}, how="dropped", times=2)
+    try:
+        for _ in range(2):
+            with pytest.raises(OperationalError):
+                d.step()
+        d.step()  # run 1 written; run 2 claimed
+    finally:
+        faults.remove()
+    assert faults.fired == [(sid, 2)] * 2 and _counts(store, sid) == (3, 2)
+    faults = RefusedResultWrite(store, {sid}, how="refused", times=1)
+    try:
+        d.step()  # refused: kept for the next round
+        assert _status(store, sid) == "running" and _counts(store, sid) == (3, 2)
+        d.step()
+    finally:
+        faults.remove()
+    assert faults.fired == [(sid, 3)] and _status(store, sid) == "completed" and _counts(store, sid) == (3, 3)
+    attempts, runs = store.attempts(sid), store.runs_of(sid)
+    assert [(a.number, a.run_index, a.outcome) for a in attempts] == [(1, 0, "completed"), (2, 1, "completed"),
+                                                                      (3, 2, "completed")]
+    assert [r.run_index for r in runs] == [0, 1, 2] and [r.attempt_id for r in runs] == [a.id for a in attempts]
+    seeds = [a.seed for a in attempts]
+    assert len(set(seeds)) == 3 and 1234 not in seeds
+    assert [r.seed for r in runs] == seeds == [r.manifest["seed"] for r in runs] == [a.job.seed for a in cluster.actors]
+    assert all(a.killed for a in cluster.actors) and d._tracked == {} and d._unlaunched == {}
 
 
 def test_a_claim_whose_launch_keeps_failing_for_a_bug_ends_as_an_infrastructure_failure(store, monkeypatch):

@@ -168,14 +168,15 @@ def test_infrastructure_failures_retry_to_the_cap_with_every_reason_and_a_submis
     assert store.submission(bad).attempts == 1 and store.claim(bad) is None
 
 
-def test_the_database_allows_one_run_per_submission(store):
+def test_the_database_allows_one_run_per_submission_and_run_index(store):
     sid = store.submit(HOTKEY, SHA)
     claim = store.claim()
     store.record(claim.token, _scored())
-    with pytest.raises(IntegrityError, match=r"UNIQUE constraint failed: runs.submission_id|unique constraint \"uq_runs_submission_id\""):
+    with pytest.raises(IntegrityError, match=r"UNIQUE constraint failed: runs.submission_id, runs.run_index|"
+                                             r"unique constraint \"uq_runs_submission_run\""):
         with store.sessions.begin() as s:
             s.add(Run(attempt_id=claim.attempt_id + 100, submission_id=sid, status="scored", manifest={},
-                      created_at=utcnow()))
+                      created_at=utcnow(), run_index=0))
 
 
 def test_the_watchdog_finds_non_final_submissions_without_an_owner(store):

@@ -470,6 +470,6 @@ def test_migration_0004_keeps_the_rows_of_0003(tmp_path):
     try:
         assert store.result_of(1).attempt_id == 1 and _count(store) == 0  # no finding made retroactively
         with store.engine.connect() as c:
-            assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0005",)]
+            assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0006",)]
     finally:
         store.close()

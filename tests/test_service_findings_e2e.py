@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fleet_fixtures import HOTKEY, PROFILE, PROFILE_TOML, final, fixture_data
+from fleet_fixtures import HOTKEY, PROFILE, PROFILE_TOML, final, fixture_data, operator_key
 
 from prism_challenge.profiles import load_profile
 from prism_challenge.service import findings as fnd
@@ -37,6 +37,7 @@ def _zip(root: Path) -> bytes:
 
 
 def test_a_cheat_caught_on_ray_records_one_finding_and_suspends_its_hotkey(tmp_path, db_url):
+    operator_key()
     data = fixture_data(tmp_path)
     (tmp_path / "fleet-test.toml").write_text(PROFILE_TOML)
     profile = load_profile(str(tmp_path / "fleet-test.toml"))

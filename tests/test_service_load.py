@@ -35,7 +35,8 @@ CLIENTS = min(5, N)
 PROFILE = "fleet-load"
 LOAD_TOML = (PROFILE_TOML.replace('name = "fleet-test"', f'name = "{PROFILE}"')
              .replace("token_budget = 4096", "token_budget = 509")  # one batch: 4 rows of 128 sharing 3 tokens
-             .replace("bytes = 4000", "bytes = 0"))  # no held-out child (0 turns the held-out delta off)
+             .replace("bytes = 4000", "bytes = 0")  # no held-out child (0 turns the held-out delta off)
+             + "confirm_top_n = 0\n")  # [policy]: one run each (confirmation under faults: test_service_dispatch)
 
 
 def lr_of(k: int) -> float:
@@ -47,15 +48,19 @@ def lr_of(k: int) -> float:
 @pytest.fixture(scope="module")
 def load_world(tmp_path_factory):
     """The fixture data, the one-batch profile, ``N`` bundles (folder, zip) and the direct
-    ``evaluate()`` of bundle 0 (before any Ray starts)."""
+    ``evaluate()`` of bundle 0 on a seed (``direct(seed)``; the profile's seed before any Ray starts)."""
     root = tmp_path_factory.mktemp("load")
     data = fixture_data(root)
     (root / f"{PROFILE}.toml").write_text(LOAD_TOML)
     profile = load_profile(str(root / f"{PROFILE}.toml"))
     assert "4096" not in LOAD_TOML and profile.options["heldout_bytes"] == 0
     bundles = [trivial_bundle(root / f"b{k:02d}", lr=lr_of(k)) for k in range(N)]
-    direct = direct_evaluate(bundles[0][0], data, profile, root / "direct")
-    assert len(direct.manifest.curve.nats_per_target) == 1  # the budget is one batch
+    first = direct_evaluate(bundles[0][0], data, profile, root / "direct")
+    assert len(first.manifest.curve.nats_per_target) == 1  # the budget is one batch
+
+    def direct(seed: int):
+        return direct_evaluate(bundles[0][0], data, profile, root / f"direct-{seed}", seed)
+
     return {"root": root, "data": data, "profile_file": str(root / f"{PROFILE}.toml"), "bundles": bundles,
             "direct": direct}
 
@@ -127,7 +132,6 @@ def test_fifty_concurrent_submissions_through_the_service_each_end_with_exactly_
     by_sub: dict[int, list[Attempt]] = {}
     for a in attempts:
         by_sub.setdefault(a.submission_id, []).append(a)
-    direct = w["direct"]
     for k, sid in ids.items():
         sub, tries, run = subs[sid], by_sub[sid], results[sid]
         assert [a.number for a in tries] == list(range(1, sub.attempts + 1))
@@ -140,7 +144,12 @@ def test_fifty_concurrent_submissions_through_the_service_each_end_with_exactly_
         folder = w["bundles"][k][0]
         assert m["bundle"]["files"] == {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
                                         for f in folder.iterdir()}  # the run evaluated the bundle sent as k
-        # one batch is scored before any training step: every bundle's score is bundle 0's run directly
-        assert run.prequential_bpb == direct.prequential_bpb and run.final_score == direct.final_score
-        assert m["curve"]["nats_per_target"] == direct.manifest.curve.nats_per_target
+        assert run.seed == m["seed"] == tries[-1].seed and run.seed != 1234  # its own secret seed, revealed
     assert len({r.manifest["bundle"]["sha256"] for r in results.values()}) == N
+    assert len({r.seed for r in results.values()}) == N
+    # one batch is scored before any training step: a bundle's score is bundle 0's run directly on its seed
+    for k in sorted({0, N - 1}):
+        run = results[ids[k]]
+        d = w["direct"](run.seed)
+        assert run.prequential_bpb == d.prequential_bpb and run.final_score == d.final_score
+        assert run.manifest["curve"]["nats_per_target"] == d.manifest.curve.nats_per_target

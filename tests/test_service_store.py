@@ -55,10 +55,10 @@ def test_the_migrations_run_at_start_and_match_the_models(store):
     with store.engine.connect() as c:
         assert set(inspect(c).get_table_names()) == {"alembic_version", "submitters", "submissions", "attempts",
                                                      "runs", "nonces", "dispatchers", "findings"}
-        assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0005",)]
+        assert c.execute(text("SELECT version_num FROM alembic_version")).all() == [("0006",)]
     if store.engine.dialect.name == "sqlite":  # read by an independent client too
         con = sqlite3.connect(store.url.removeprefix("sqlite:///"))
-        assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0005",)]
+        assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("0006",)]
         con.close()
     with store.engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c, opts={"compare_type": True}), Base.metadata)

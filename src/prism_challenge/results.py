@@ -135,6 +135,8 @@ class VerdictPolicy(_Model):
     anomaly_ratio: float
     significance_p: float | None = None  # the crown rule's level (absent before issue 29)
     rank_epsilon_bpb: float | None = None  # the tie width before issue 29 (never a verdict figure)
+    confirm_top_n: Annotated[int, Field(ge=0)] | None = None  # absent before issue 29
+    confirm_runs: Annotated[int, Field(ge=1)] | None = None
 
 
 class RunConfig(_Model):

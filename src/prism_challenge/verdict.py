@@ -50,6 +50,8 @@ LN2 = math.log(2.0)
 DEFAULT_TAIL_FRACTION = 0.1
 DEFAULT_GAP_PENALTY = 0.5
 DEFAULT_ANOMALY_RATIO = 0.5
+DEFAULT_CONFIRM_TOP_N = 3
+DEFAULT_CONFIRM_RUNS = 3
 
 
 class VerdictError(ValueError):
@@ -74,6 +76,10 @@ class Policy:
         significance_p: the crown rule's level: a challenger takes first place only when a
             one-sided Welch t-test says its mean bpb is lower at ``p < significance_p``
             (:mod:`prism_challenge.crown`); 0.01.
+        confirm_top_n: the service confirms a submission whose first run's bpb would place it
+            among the first ``confirm_top_n`` entries (by their mean bpb); 3 (issue 29).
+        confirm_runs: the runs such a submission gets in all, each on a fresh secret seed
+            (K = 3: what record-setting challenges ask of a new record, issue 29).
     """
 
     tail_fraction: float = DEFAULT_TAIL_FRACTION
@@ -82,6 +88,8 @@ class Policy:
     gap_penalty: float = DEFAULT_GAP_PENALTY
     anomaly_ratio: float = DEFAULT_ANOMALY_RATIO
     significance_p: float = DEFAULT_SIGNIFICANCE_P
+    confirm_top_n: int = DEFAULT_CONFIRM_TOP_N
+    confirm_runs: int = DEFAULT_CONFIRM_RUNS
 
     @classmethod
     def from_record(cls, recorded: Mapping[str, Any]) -> Policy:

@@ -97,6 +97,8 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
 
     rec = m.get("profile")
     recorded = m["config"].get("policy")
+    if recorded is not None:  # a knob absent from an older manifest (null) is its default
+        recorded = {k: v for k, v in recorded.items() if v is not None}
     if rec is None or "policy" in rec.get("overridden", []):
         if recorded is not None:
             return Policy.from_record(recorded), "the policy the manifest records (no profile's)"

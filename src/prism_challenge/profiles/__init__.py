@@ -53,6 +53,7 @@ _FIELDS: dict[str, dict[str, tuple[str, tuple[type, ...], bool]]] = {
     "heldout": {"bytes": ("heldout_bytes", _INT, True)},
     "scoring": {"autocast": ("scoring_autocast", (str,), False)},
 }
+_INT_POLICY = {"confirm_top_n", "confirm_runs"}  # Policy's integer knobs (the others are floats)
 _DATA_KEYS = {"source": (str,), "dataset": (str,), "subset": (str,), "revision": (str,),
               "max_bytes": _INT, "manifest_sha256": (str,)}
 _TOP_KEYS = {"schema", "name", "version", "description", "data", "tokenizers", "run", "budgets", "heldout", "policy",
@@ -197,7 +198,12 @@ def _policy(t: dict[str, Any], where: str) -> Policy:
                            "tie; the crown rule's Welch test decides first place at p < significance_p")
     for key in sorted(set(t) - known):
         raise ProfileError(f"{where}: [policy] {key}: unknown key; allowed: {sorted(known)}")
-    policy = Policy(**{k: float(_check(where, f"[policy] {k}", v, _NUM)) for k, v in t.items()})
+    values = {k: _check(where, f"[policy] {k}", v, _INT if k in _INT_POLICY else _NUM) for k, v in t.items()}
+    for key in _INT_POLICY & set(values):
+        if values[key] < (1 if key == "confirm_runs" else 0):
+            raise ProfileError(f"{where}: [policy] {key} = {values[key]}: must be at least "
+                               f"{1 if key == 'confirm_runs' else 0}")
+    policy = Policy(**{k: v if k in _INT_POLICY else float(v) for k, v in values.items()})
     if not 0.0 < policy.significance_p < 1.0:
         raise ProfileError(f"{where}: [policy] significance_p = {policy.significance_p}: must be in (0, 1)")
     return policy

@@ -26,6 +26,11 @@ attempt's alone: the rest of the round goes on, and after
 An idle round waits ``poll_s`` for :meth:`Dispatcher.wake`, which the intake calls for each
 submission it accepts: a new submission is claimed at once, not at the end of a poll.
 
+Seeds and confirmation (:mod:`prism_challenge.service.confirm`): each claim carries its
+attempt's secret seed, which the job runs on (never a profile's public seed: every profile this
+dispatcher knows is passed to :meth:`Store.claim`); a submission confirmed at the top is pending
+again after each scored run until its last, and each next run is claimed like any attempt.
+
 Retries: an ``infrastructure`` failure puts the submission back to ``pending`` with a backoff
 (:func:`backoff_s`) until ``max_attempts``; then it is ``failed``, every attempt's reason on its
 row. A ``submission`` failure is final at once.
@@ -49,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prism_challenge.failures import EvalFailure
-from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile
+from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from prism_challenge.results import EvalResult
 from prism_challenge.service.capacity import CannotEvaluate, check_capacity, expire_leases
 from prism_challenge.service.recovery import Reconciled, kill_actor, reconcile
@@ -273,7 +278,7 @@ class Dispatcher:
         self._collect(self.poll_s if self._tracked else 0.0)
         expire_leases(self)
         while len(self._tracked) + len(self._unlaunched) < self.slots and not self._stop.is_set():
-            claim = self.store.claim(worker=self.name)
+            claim = self.store.claim(worker=self.name, public_seeds=self._public_seeds())
             if claim is None:
                 break
             self._try_launch(self._unlaunched.setdefault(claim.token, _Kept(claim)))
@@ -311,6 +316,23 @@ class Dispatcher:
         if name not in self._profiles:
             self._profiles[name] = load_profile(name)
         return self._profiles[name]
+
+    def _policy_of(self, name: str | None) -> Any:
+        """The verdict policy of profile ``name`` (its confirmation knobs), ``None`` when it cannot be read."""
+        try:
+            return self._profile(name).options["policy"]
+        except ProfileError:
+            return None
+
+    def _public_seeds(self) -> set[int]:
+        """The public seeds of every profile this dispatcher knows and of the shipped ones."""
+        seeds = {int(p.options["seed"]) for p in self._profiles.values()}
+        for name in profile_names():
+            try:
+                seeds.add(int(self._profile(name).options["seed"]))
+            except ProfileError:
+                pass
+        return seeds
 
     def _try_launch(self, kept: _Kept) -> bool:
         """Launch a kept claim; whether it is done with (tracked, or its failure written).
@@ -353,7 +375,7 @@ class Dispatcher:
             self._write(claim, failure_result(EvalFailure("dispatch", f"the bundle's bytes: {exc}"), profile=profile))
             return
         job = Job(token=claim.token, submission_id=claim.submission_id, bundle=bundle, profile=profile,
-                  data_dir=self.data_dir)
+                  data_dir=self.data_dir, seed=claim.seed)
         try:
             asked = resources_for(profile, self._gpus)
             actor = self._remote.options(name=actor_name(claim.token), namespace=NAMESPACE, lifetime="detached",
@@ -442,8 +464,9 @@ class Dispatcher:
                                               f"{type(exc).__name__}: {str(exc)[:300]}"), profile=t.profile)
 
     def _write(self, claim: Claim, result: EvalResult, final: bool = False) -> None:
-        done = self.store.record(claim.token, result, backoff_s=backoff_s(claim.number, self.backoff_base_s),
-                                 max_attempts=claim.number if final else self.max_attempts)
+        tries = claim.number - claim.run_base  # the attempts of this run
+        done = self.store.record(claim.token, result, backoff_s=backoff_s(tries, self.backoff_base_s),
+                                 max_attempts=tries if final else self.max_attempts, policy_of=self._policy_of)
         log.info("submission %d: attempt %d %s -> %s (%s)", claim.submission_id, claim.number, result.status,
                  done.status, done.reason)
 

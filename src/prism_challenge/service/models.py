@@ -22,6 +22,15 @@ an operator's lift marks it (``lifted_at``, ``lifted_by``, ``lift_reason``), nev
 
 Admission (migration 0005, issue 27): ``submissions.client_address``, so that every limit of
 :mod:`prism_challenge.service.admission` is a count of accepted rows (a restart keeps it).
+
+Seeds and confirmation (migration 0006, issue 29): every attempt runs on its own secret seed
+(``attempts.seed``, drawn by :meth:`~prism_challenge.service.store.Store.claim`), shown only once
+the attempt has ended. A submission gets ``runs_wanted`` runs (1, or the policy's
+``confirm_runs`` once its first run places it at the top:
+:mod:`prism_challenge.service.confirm`); each run is one ``runs`` row (``(submission_id,
+run_index)`` unique), written by the attempt of that ``run_index`` that ended it. The fence is
+unchanged: one attempt at a time per submission, numbered on; ``run_base`` counts the attempts
+of the runs already stored, so ``attempts - run_base`` are the current run's.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
     DateTime,
     Float,
@@ -148,6 +158,11 @@ class Submission(Base):
     client_address: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     """The client that sent it (:func:`prism_challenge.service.admission.client_key`: an IPv4
     address, or an IPv6 network): the per-address limit counts these rows."""
+    # Confirmation (migration 0006).
+    runs_wanted: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default="1")
+    """The runs the submission gets: 1, or the policy's ``confirm_runs`` once confirmed."""
+    run_base: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    """The attempts spent on its stored runs (``attempts - run_base``: the current run's)."""
 
 
 class Attempt(Base):
@@ -177,14 +192,19 @@ class Attempt(Base):
     """The Ray node the evaluation runs on (``ip node-id``), once known."""
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     """Refreshed by the dispatcher tracking the attempt while it runs."""
+    # Seeds (migration 0006); NULL on rows made before it (those ran on the profile's seed).
+    seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The attempt's secret seed (``secrets``): shown only once the attempt has ended."""
+    run_index: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    """The run (0, 1, ... within the submission) this is an attempt of."""
 
 
 class Run(Base):
-    """The submission's result: the run manifest of its final attempt (one per submission,
-    written once, in the transaction that makes the submission final)."""
+    """One run of a submission: the manifest of the attempt that ended it (one per
+    ``(submission_id, run_index)``, written once, in the transaction that ends that run)."""
 
     __tablename__ = "runs"
-    __table_args__ = (UniqueConstraint("submission_id", name="uq_runs_submission_id"),)
+    __table_args__ = (UniqueConstraint("submission_id", "run_index", name="uq_runs_submission_run"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), unique=True, nullable=False)
     submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", name="fk_runs_submission_id"),
@@ -195,6 +215,11 @@ class Run(Base):
     final_score: Mapped[float | None] = mapped_column(Float, nullable=True)
     manifest: Mapped[dict] = mapped_column(JSON, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    # Seeds and confirmation (migration 0006).
+    run_index: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    """0 for the submission's first run, 1, 2, ... for its confirmation runs."""
+    seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The run's secret seed (its attempt's), revealed now that it has ended."""
 
 
 class Dispatcher(Base):

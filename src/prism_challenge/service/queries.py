@@ -3,6 +3,7 @@ submission's view and the scored entries of a profile (the leaderboard's and the
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,9 +64,13 @@ class Entry:
     """One scored submission as :func:`prism_challenge.verdict.rank` reads it (attribute names
     are its keys) plus what the leaderboard shows.
 
-    ``prequential_bpb`` (bits per byte), ``heldout_delta`` (bpb, ``None`` without held-out),
-    ``final_score``, ``anti_cheat_multiplier``, ``memorization_penalty`` and ``flags`` come from
-    the run manifest's ``verdict``; ``submitted_at`` is the submission's creation (UTC).
+    Over the submission's scored runs (issue 29: several once confirmed): ``prequential_bpb``
+    is their mean (bits per byte), ``bpbs`` each run's in run order, ``bpb_std`` their sample
+    std (ddof=1; ``None`` for one run), ``heldout_delta`` (bpb) and ``final_score`` means (the
+    delta ``None`` when no run has one), ``anti_cheat_multiplier`` and
+    ``memorization_penalty`` the lowest, ``flags`` every run's; all from the run manifests'
+    ``verdict``. ``provisional``: runs are still to come (the submission is not final).
+    ``submitted_at`` is the submission's creation (UTC).
     """
 
     id: int
@@ -79,28 +84,40 @@ class Entry:
     flags: tuple[str, ...]
     family_sha256: str | None
     variant_of: int | None
+    bpbs: tuple[float, ...] = ()
+    bpb_std: float | None = None
+    provisional: bool = False
 
 
-def scored_entries(store: Store, profile: str) -> list[Entry]:
-    """Every ``completed`` submission under ``profile`` with its scored run, unranked (only the
-    manifests' ``verdict`` sections are read from the database, not their curves)."""
+def scored_entries(store: Store, profile: str, *, provisional: bool = False) -> list[Entry]:
+    """Every ``completed`` submission under ``profile`` with its scored runs, unranked (only the
+    manifests' ``verdict`` sections are read from the database, not their curves);
+    ``provisional``: also the submissions with a scored run and confirmation runs to go."""
+    states = ("completed", "pending", "running") if provisional else ("completed",)
     with store.sessions() as s:
         rows = s.execute(
             select(Submission, Submitter.hotkey, Run.manifest["verdict"])
             .join(Submitter, Submitter.id == Submission.submitter_id)
-            .join(Attempt, Attempt.submission_id == Submission.id)
-            .join(Run, Run.attempt_id == Attempt.id)
-            .where(Submission.profile == profile, Submission.status == "completed", Attempt.outcome == "completed",
-                   Run.status == "scored")).all()
-    return [_entry(sub, hotkey, verdict) for sub, hotkey, verdict in rows]
+            .join(Run, Run.submission_id == Submission.id)
+            .where(Submission.profile == profile, Submission.status.in_(states), Run.status == "scored")
+            .order_by(Submission.id, Run.run_index)).all()
+    per: dict[int, tuple[Submission, str, list[dict[str, Any]]]] = {}
+    for sub, hotkey, verdict in rows:
+        per.setdefault(sub.id, (sub, hotkey, []))[2].append(verdict)
+    return [_entry(sub, hotkey, verdicts) for sub, hotkey, verdicts in per.values()]
 
 
-def _entry(sub: Submission, hotkey: str, v: dict[str, Any]) -> Entry:
-    held = v.get("heldout") or {}
-    return Entry(id=sub.id, hotkey=hotkey, submitted_at=sub.created_at, prequential_bpb=v["prequential_bpb"],
-                 heldout_delta=held.get("heldout_delta"), final_score=v["final_score"],
-                 anti_cheat_multiplier=v["anti_cheat_multiplier"], memorization_penalty=v["memorization_penalty"],
-                 flags=tuple(v.get("flags") or ()), family_sha256=sub.family_sha256, variant_of=sub.variant_of)
+def _entry(sub: Submission, hotkey: str, vs: list[dict[str, Any]]) -> Entry:
+    bpbs = tuple(v["prequential_bpb"] for v in vs)
+    deltas = [d for v in vs if (d := (v.get("heldout") or {}).get("heldout_delta")) is not None]
+    flags = tuple(dict.fromkeys(f for v in vs for f in (v.get("flags") or ())))
+    return Entry(id=sub.id, hotkey=hotkey, submitted_at=sub.created_at, prequential_bpb=statistics.fmean(bpbs),
+                 heldout_delta=statistics.fmean(deltas) if deltas else None,
+                 final_score=statistics.fmean(v["final_score"] for v in vs),
+                 anti_cheat_multiplier=min(v["anti_cheat_multiplier"] for v in vs),
+                 memorization_penalty=min(v["memorization_penalty"] for v in vs), flags=flags,
+                 family_sha256=sub.family_sha256, variant_of=sub.variant_of, bpbs=bpbs,
+                 bpb_std=statistics.stdev(bpbs) if len(bpbs) > 1 else None, provisional=sub.status != "completed")
 
 
 __all__ = ["Entry", "REFUSES_DUPLICATES", "duplicate_of", "family_root", "hotkey_of", "latest_run", "prune_nonces", "scored_entries"]

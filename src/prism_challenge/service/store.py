@@ -17,24 +17,32 @@ so one finding per run however often a result is written); a retried
 attempt stores its reason on its ``attempts`` row and no run. Outcomes (:func:`outcome_of`): scored -> ``completed``; a ``submission`` failure ->
 ``rejected`` (final); an ``infrastructure`` failure -> ``pending`` again while ``attempts <
 max_attempts``, else ``failed``; a cancel -> ``failed``.
+
+Confirmation (issue 29, :mod:`~prism_challenge.service.confirm`): a submission has
+``runs_wanted`` runs, one after another, each ended by one attempt on its own secret seed. A
+scored run that leaves runs to go moves the submission back to ``pending`` (the next claim starts
+the next run, with the retry budget of a fresh run); it is ``completed`` when its last run is.
+A confirmation run's ``submission`` or final ``infrastructure`` failure ends the submission as
+for a first run.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import create_engine, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
 from prism_challenge.results import EvalResult
+from prism_challenge.service.confirm import draw_seed, runs_wanted
 from prism_challenge.service.findings import record_finding
 from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, storable, utcnow
 
@@ -92,13 +100,18 @@ def outcome_of(result: EvalResult, attempts: int, max_attempts: int) -> tuple[st
 
 @dataclass(frozen=True)
 class Claim:
-    """A submission taken for evaluation: its id, the attempt's id and number (1, 2, ...) and
-    the attempt's fencing token (32 hex digits; ``""`` for an attempt made before migration 0003)."""
+    """A submission taken for evaluation: its id, the attempt's id and number (1, 2, ...), the
+    attempt's fencing token (32 hex digits; ``""`` for an attempt made before migration 0003),
+    its secret seed (``None`` before migration 0006), the run it is an attempt of (0, 1, ...)
+    and the attempts the submission's earlier runs spent (``number - run_base``: this run's)."""
 
     submission_id: int
     attempt_id: int
     number: int
     token: str = ""
+    seed: int | None = None
+    run_index: int = 0
+    run_base: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,10 +239,13 @@ class Store:
         raise AssertionError("unreachable")
 
     # -- evaluation ---------------------------------------------------------------------------
-    def claim(self, submission_id: int | None = None, *, worker: str | None = None) -> Claim | None:
+    def claim(self, submission_id: int | None = None, *, worker: str | None = None,
+              public_seeds: Collection[int] = ()) -> Claim | None:
         """Take a ``pending`` submission (``submission_id``, or the oldest whose backoff is over)
-        for evaluation: ``running``, one more attempt with a fresh fencing token. ``None`` when
-        there is none (or another worker took it).
+        for evaluation: ``running``, one more attempt with a fresh fencing token and a fresh
+        secret seed (:func:`~prism_challenge.service.confirm.draw_seed`, never one of
+        ``public_seeds``: the profiles' public seeds), of the submission's next run. ``None``
+        when there is none (or another worker took it).
 
         On PostgreSQL the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent
         workers take different rows without waiting on each other; on every database the change
@@ -261,12 +277,15 @@ class Store:
                 if taken != 1:  # another worker took it between the read and the write
                     tried.append(sid)
                     continue
-                number = s.scalar(select(Submission.attempts).where(Submission.id == sid))
+                number, base = s.execute(select(Submission.attempts, Submission.run_base)
+                                         .where(Submission.id == sid)).one()
+                index = s.scalar(select(func.count()).select_from(Run).where(Run.submission_id == sid))
                 attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now,
-                                  token=secrets.token_hex(16), heartbeat_at=now)
+                                  token=secrets.token_hex(16), heartbeat_at=now, seed=draw_seed(public_seeds),
+                                  run_index=index)
                 s.add(attempt)
                 s.flush()
-                return Claim(sid, attempt.id, number, attempt.token)
+                return Claim(sid, attempt.id, number, attempt.token, attempt.seed, index, base)
         return None
 
     def finish(self, attempt_id: int, result: EvalResult, *, backoff_s: float = 0.0) -> str:
@@ -291,7 +310,7 @@ class Store:
             return _write(s, sub, attempt, result, backoff_s)
 
     def record(self, token: str, result: EvalResult, *, backoff_s: float = 0.0,
-               max_attempts: int | None = None) -> Recorded:
+               max_attempts: int | None = None, policy_of: Callable[[str | None], object] | None = None) -> Recorded:
         """The fenced write of a dispatcher: store ``result`` under the attempt of fencing token
         ``token`` if it is its submission's current attempt, in one transaction with the
         submission's move to its next state (``backoff_s``: a retried submission is not claimed
@@ -299,7 +318,10 @@ class Store:
         nothing. A result of a superseded attempt (or another result for an attempt already
         written) is discarded and logged (logger ``prism_challenge.service``, warning).
         ``max_attempts``: the dispatcher's cap on attempts, below the submission's own when
-        lower (an infrastructure failure at the cap is final).
+        lower (an infrastructure failure at the cap is final), counted within the current run.
+        ``policy_of``: the verdict policy of a profile name (``None``: unknown), read when a
+        first run is stored to decide its confirmation
+        (:func:`~prism_challenge.service.confirm.runs_wanted`); without it, no confirmation.
 
         Raises:
             TransitionError: no attempt has this token.
@@ -317,7 +339,8 @@ class Store:
                 log.warning("submission %d: discarded the %s result of superseded attempt %d (token %s): %s",
                             sub.id, result.status, attempt.number, token, why)
                 return Recorded(sub.status, False, "superseded")
-            return Recorded(_write(s, sub, attempt, result, backoff_s, max_attempts), True, "written")
+            policy = policy_of(sub.profile) if policy_of is not None else None
+            return Recorded(_write(s, sub, attempt, result, backoff_s, max_attempts, policy), True, "written")
 
     def heartbeat(self, tokens: list[str], *, node: dict[str, str] | None = None) -> int:
         """Refresh the heartbeat of the live attempts of ``tokens`` (and set the nodes named in
@@ -336,10 +359,11 @@ class Store:
     def running(self) -> list[Claim]:
         """The current attempt of every ``running`` submission (oldest submission first)."""
         with self.sessions() as s:
-            rows = s.execute(select(Attempt).join(Submission, Submission.id == Attempt.submission_id)
+            rows = s.execute(select(Attempt, Submission.run_base).join(Submission, Submission.id == Attempt.submission_id)
                              .where(Submission.status == "running", Attempt.number == Submission.attempts)
-                             .order_by(Submission.id)).scalars()
-            return [Claim(a.submission_id, a.id, a.number, a.token or "") for a in rows]
+                             .order_by(Submission.id)).all()
+            return [Claim(a.submission_id, a.id, a.number, a.token or "", a.seed, a.run_index, base)
+                    for a, base in rows]
 
     def ended(self, tokens: list[str]) -> set[str]:
         """The fencing tokens among ``tokens`` whose attempt has ended (an outcome is written)."""
@@ -378,9 +402,15 @@ class Store:
             return s.scalar(select(Run).where(Run.attempt_id == attempt_id))
 
     def result_of(self, submission_id: int) -> Run | None:
-        """The submission's result (its final attempt's run), or ``None`` before it is final."""
+        """The submission's latest run (its last stored run's), or ``None`` before one is stored."""
         with self.sessions() as s:
-            return s.scalar(select(Run).where(Run.submission_id == submission_id))
+            return s.scalar(select(Run).where(Run.submission_id == submission_id).order_by(Run.run_index.desc())
+                            .limit(1))
+
+    def runs_of(self, submission_id: int) -> list[Run]:
+        """The submission's runs, first first (detached rows; each ended, so its seed may be shown)."""
+        with self.sessions() as s:
+            return list(s.scalars(select(Run).where(Run.submission_id == submission_id).order_by(Run.run_index)))
 
 
 def _current(sub: Submission, attempt: Attempt) -> bool:
@@ -389,11 +419,12 @@ def _current(sub: Submission, attempt: Attempt) -> bool:
 
 
 def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, backoff_s: float,
-           max_attempts: int | None = None) -> str:
-    """Store the attempt's outcome and, when the submission becomes final, its one run, and move
-    the submission on (the caller's transaction); returns the new status."""
+           max_attempts: int | None = None, policy: object | None = None) -> str:
+    """Store the attempt's outcome and, when its run ends, the run, and move the submission on
+    (the caller's transaction); returns the new status. ``max_attempts`` counts the current
+    run's attempts; ``policy``: the confirmation policy (:func:`runs_wanted`)."""
     now = utcnow()
-    cap = sub.max_attempts if max_attempts is None else min(sub.max_attempts, max_attempts)
+    cap = sub.max_attempts if max_attempts is None else min(sub.max_attempts, sub.run_base + max_attempts)
     outcome, status = outcome_of(result, sub.attempts, cap)
     _check(sub.status, status)
     failure = _failure_columns(result)
@@ -406,10 +437,18 @@ def _write(s: Session, sub: Submission, attempt: Attempt, result: EvalResult, ba
         manifest = result.manifest.to_json_dict()
         run = Run(attempt_id=attempt.id, submission_id=sub.id, status=result.status, run_dir=storable(result.run_dir),
                   prequential_bpb=result.prequential_bpb, final_score=result.final_score, manifest=manifest,
-                  created_at=now)
+                  created_at=now, run_index=attempt.run_index, seed=attempt.seed)
         s.add(run)
+        s.flush()
         record_finding(s, sub, attempt, run, manifest, now)
-        sub.finished_at = now
+        if status == "completed" and attempt.run_index == 0:
+            sub.runs_wanted = runs_wanted(s, sub, run, policy)
+        if status == "completed" and attempt.run_index + 1 < sub.runs_wanted:
+            status = "pending"  # the next run: claimed at once, with a fresh run's retry budget
+            sub.max_attempts = sub.attempts + (sub.max_attempts - sub.run_base)
+            sub.run_base, sub.not_before = sub.attempts, None
+        else:
+            sub.finished_at = now
     sub.status, sub.updated_at = status, now
     sub.error_stage, sub.error_kind, sub.error_message = failure
     return status

@@ -97,7 +97,8 @@ class FleetStatus:
         pending: submissions waiting; ``ready`` of them past their retry backoff.
         running: the running attempts, oldest first.
         last_hour: final states reached in the last hour -> count.
-        recent: the last hour's results, newest first: ``(submission, status, attempts, bpb, finished)``.
+        recent: the last hour's results, newest first: ``(submission, status, attempts, bpb,
+            finished)`` (bpb: the mean of its runs).
         dispatchers: ``(name, heartbeat age s, stopped)`` of every dispatcher not stopped, and
             of those stopped in the last hour.
         oldest_unowned_s: :func:`oldest_unowned_age_s`.
@@ -127,9 +128,9 @@ def fleet_status(store: Store, *, now: datetime | None = None, recent: int = 20)
                                       .where(Submission.status == "running").order_by(Attempt.started_at))]
         counts = dict(s.execute(select(Submission.status, func.count()).where(Submission.finished_at >= hour)
                                 .group_by(Submission.status)).all())
-        rows = s.execute(select(Submission.id, Submission.status, Submission.attempts, Run.prequential_bpb,
-                                Submission.finished_at)
-                         .outerjoin(Run, Run.submission_id == Submission.id)
+        bpb = (select(func.avg(Run.prequential_bpb)).where(Run.submission_id == Submission.id)  # over its runs
+               .correlate(Submission).scalar_subquery())
+        rows = s.execute(select(Submission.id, Submission.status, Submission.attempts, bpb, Submission.finished_at)
                          .where(Submission.finished_at >= hour)
                          .order_by(Submission.finished_at.desc()).limit(recent)).all()
         dispatchers = [(d.name, age(d.heartbeat_at), d.stopped_at is not None)

@@ -51,6 +51,8 @@ class Job:
         profile: the challenge profile, loaded by the dispatcher (its sha256 is the file's).
         data_dir: the prepared data directory on the node, or ``None`` for the profile's
             default (the embedded corpus of a ``builtin`` profile).
+        seed: the attempt's secret seed (:func:`prism_challenge.service.confirm.draw_seed`);
+            ``None`` only for an attempt made before migration 0006 (the profile's seed).
     """
 
     token: str
@@ -58,12 +60,14 @@ class Job:
     bundle: bytes
     profile: Profile
     data_dir: str | None = None
+    seed: int | None = None
 
 
-def options_for(profile: Profile, bundle: str | Path, out_dir: str | Path, data_dir: str | None = None):
+def options_for(profile: Profile, bundle: str | Path, out_dir: str | Path, data_dir: str | None = None,
+                seed: int | None = None):
     """The :class:`~prism_challenge.options.EvalOptions` of a service run: the profile's settings
-    (:func:`prism_challenge.profiles.resolve`, as ``prism eval --profile`` makes them, with only
-    ``data_dir`` given), strict isolation, signed by the operator's key
+    (:func:`prism_challenge.profiles.resolve`, as ``prism eval --profile P --seed S`` makes them,
+    with only ``data_dir`` and the attempt's secret ``seed`` given), strict isolation, signed by the operator's key
     (:func:`~prism_challenge.service.settings.default_signing_key_file`: ``$PRISM_SIGNING_KEY_FILE``
     on this node, which the service sets at start, else the state directory's).
 
@@ -74,7 +78,7 @@ def options_for(profile: Profile, bundle: str | Path, out_dir: str | Path, data_
 
     from prism_challenge.service.settings import default_signing_key_file
 
-    settings, overridden = resolve(profile, {"data_dir": data_dir})
+    settings, overridden = resolve(profile, {"data_dir": data_dir, "seed": seed})
     return EvalOptions(bundle=str(bundle), out_dir=str(out_dir), isolation="strict", profile=profile,
                        profile_overridden=overridden, signing_key_file=str(default_signing_key_file()), **settings)
 
@@ -105,7 +109,7 @@ def run_job(job: Job, *, cancel: Any = None, on_progress: Any = None) -> dict:
             root = extract_bundle(job.bundle, tmp / "bundle")
         except ArchiveError as exc:
             return failure_result(EvalFailure("intake", exc.message), profile=job.profile).model_dump(mode="json")
-        result = evaluate(options_for(job.profile, root, tmp / "run", job.data_dir), cancel=cancel,
+        result = evaluate(options_for(job.profile, root, tmp / "run", job.data_dir, job.seed), cancel=cancel,
                           on_progress=on_progress)
         return result.model_copy(update={"run_dir": None, "manifest_path": None}).model_dump(mode="json")
     finally:

@@ -73,11 +73,20 @@ def submission_view(request: Request, sid: int) -> dict:
         "attempts": row.attempts, "max_attempts": row.max_attempts, "bundle_sha256": row.bundle_sha256,
         "source_sha256": row.source_sha256, "family_sha256": row.family_sha256, "variant_of": row.variant_of,
         "failure": failure, "scores": _scores(manifest) if row.status == "completed" else None,
-        "finding": _finding(request, sid),
-        "history": [{"number": a.number, "started_at": _iso(a.started_at), "finished_at": _iso(a.finished_at),
-                     "outcome": a.outcome, "failure_stage": a.failure_stage, "failure_kind": a.failure_kind}
+        "finding": _finding(request, sid), "runs_wanted": row.runs_wanted, "runs": run_views(store, sid),
+        "history": [{"number": a.number, "run": a.run_index, "started_at": _iso(a.started_at),
+                     "finished_at": _iso(a.finished_at), "outcome": a.outcome, "failure_stage": a.failure_stage,
+                     "failure_kind": a.failure_kind, "seed": a.seed if a.outcome is not None else None}
                     for a in store.attempts(sid)],
     }
+
+
+def run_views(store, sid: int) -> list[dict]:
+    """The submission's ended runs, first first: ``{"run", "seed", "status", "prequential_bpb",
+    "final_score", "created_at"}``. A run row exists only once its attempt has ended, so its
+    secret seed is shown only then (an attempt still running is in no list with its seed)."""
+    return [{"run": r.run_index, "seed": r.seed, "status": r.status, "prequential_bpb": r.prequential_bpb,
+             "final_score": r.final_score, "created_at": _iso(r.created_at)} for r in store.runs_of(sid)]
 
 
 def _finding(request: Request, sid: int) -> dict | None:
@@ -86,12 +95,15 @@ def _finding(request: Request, sid: int) -> dict | None:
     return None if f is None else fnd.finding_view(f, state.clock(), state.settings.suspension_s)
 
 
-def counted_entries(request: Request) -> tuple[list, frozenset[str]]:
+def counted_entries(request: Request, *, provisional: bool = False) -> tuple[list, frozenset[str]]:
     """The scored entries under the service's profile that the leaderboard and the weights count
-    (:class:`prism_challenge.service.findings.Standing`), and the hotkeys suspended now."""
+    (:class:`prism_challenge.service.findings.Standing`), and the hotkeys suspended now;
+    ``provisional``: with the entries whose confirmation runs are to come (the leaderboard's,
+    never the weights')."""
     state = request.app.state
     st = fnd.standing(state.store, state.clock(), state.settings.suspension_s)
-    entries = [e for e in scored_entries(state.store, state.profile.name) if st.counts(e.hotkey, e.submitted_at)]
+    entries = [e for e in scored_entries(state.store, state.profile.name, provisional=provisional)
+               if st.counts(e.hotkey, e.submitted_at)]
     return entries, st.suspended
 
 
@@ -179,10 +191,10 @@ def get_manifest(request: Request, sid: int = SubmissionId) -> dict:
 def board(request: Request) -> list[dict]:
     """The leaderboard's entries (also the leaderboard page's)."""
     state = request.app.state
-    counted, suspended = counted_entries(request)
+    counted, suspended = counted_entries(request, provisional=True)
     entries = leaderboard(counted, state.significance_p, excluded=suspended)
     return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
-             "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
+             "bpb_std": e.bpb_std, "runs": len(e.bpbs), "provisional": e.provisional, "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
              "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
 
 
