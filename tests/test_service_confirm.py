@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -219,3 +220,37 @@ def test_migration_0006_keeps_a_completed_run_of_0005_as_run_0_and_confirms_noth
         assert entry.bpbs == (SCORED["verdict"]["prequential_bpb"],) and not entry.provisional
     finally:
         store.close()
+
+
+def test_the_board_gives_p_against_the_leader_and_the_page_draws_every_run(tmp_path):
+    """Two confirmed hotkeys: the second's p against the first is the one-sided Welch test computed
+    here from its formula; the submission's curve holds all three runs (its legend grows a row)."""
+    from scipy import stats
+
+    def confirm(sid: int, bpbs):
+        for bpb in bpbs:
+            store.record(store.claim(sid).token, scored(bpb), policy_of=lambda _n: POLICY)
+
+    def png_height(sid: int) -> int:
+        r = httpx.get(f"{base}/submissions/{sid}/curve.png", timeout=60)
+        assert r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+        return int.from_bytes(r.content[20:24], "big")
+
+    lead, other = (2.0, 2.1, 2.2), (2.3, 2.5, 2.4)
+    with live_server(tmp_path) as (base, app):
+        store = app.state.store
+        a = store.submit(KEYS[0], "ab" * 32, profile=app.state.profile.name)
+        confirm(a, lead[:1])
+        one = png_height(a)
+        confirm(a, lead[1:])
+        b = store.submit(KEYS[1], "cd" * 32, profile=app.state.profile.name)
+        confirm(b, other)
+        first, second = httpx.get(f"{base}/v1/leaderboard").json()["entries"]
+        assert (first["submission_id"], first["p_vs_leader"], second["submission_id"]) == (a, None, b)
+        va, vb = statistics.variance(lead) / 3, statistics.variance(other) / 3
+        t = (statistics.fmean(other) - statistics.fmean(lead)) / math.sqrt(va + vb)
+        df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)
+        assert second["p_vs_leader"] == pytest.approx(stats.t.cdf(t, df), rel=1e-9)
+        assert f"{second['p_vs_leader']:.3g}" in httpx.get(f"{base}/", timeout=60).text
+        # 9 in x (5.6 + 0.22 * legend rows) in at 100 dpi: one run 2 rows, three runs and the band 3
+        assert (one, png_height(a)) == (604, 626)

@@ -59,6 +59,14 @@ def latest_run(store: Store, submission_id: int) -> Run | None:
                         .where(Attempt.submission_id == submission_id).order_by(Attempt.number.desc()).limit(1))
 
 
+def scored_runs(store: Store, submission_id: int) -> list[Run]:
+    """The submission's scored runs, one per run index (its first run and confirmation runs), in
+    run order."""
+    with store.sessions() as s:
+        return list(s.scalars(select(Run).where(Run.submission_id == submission_id, Run.status == "scored")
+                              .order_by(Run.run_index, Run.id)))
+
+
 @dataclass(frozen=True)
 class Entry:
     """One scored submission as :func:`prism_challenge.verdict.rank` reads it (attribute names

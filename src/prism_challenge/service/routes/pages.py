@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from prism_challenge.service.errors import ApiError
-from prism_challenge.service.queries import latest_run
+from prism_challenge.service.queries import latest_run, scored_runs
 from prism_challenge.service.routes.read import SubmissionId, board, hotkey_view, submission_view
 
 router = APIRouter(tags=["pages"], include_in_schema=False)
@@ -67,24 +67,30 @@ def hotkey_page(request: Request, hotkey: str = Path(..., min_length=1, max_leng
 
 @router.get("/submissions/{sid}/curve.png")
 def curve_png(request: Request, sid: int = SubmissionId) -> Response:
-    """The learning curve as PNG: per-batch (thin) and cumulative (thick) bpb against bytes."""
+    """The learning curves as PNG: every scored run of the submission (its first run and its
+    confirmation runs, each named by its run and revealed seed), per-batch (thin) and cumulative
+    (thick) bpb against bytes, and with two runs or more their mean with a band of ±1 sample std
+    (:func:`~prism_challenge.plots.group_band`)."""
     from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve
 
     submission_view(request, sid)  # 404 for an unknown id
-    run = latest_run(request.app.state.store, sid)
+    runs = scored_runs(request.app.state.store, sid) or [r for r in [latest_run(request.app.state.store, sid)] if r]
     try:
-        if run is None:
+        if not runs:
             raise PlotError("no run")
+        key = tuple(r.id for r in runs)
         with _PLOT_LOCK:
-            _plots: OrderedDict[int, bytes] = request.app.state.plots
-            png = _plots.get(run.id)
+            _plots: OrderedDict[tuple[int, ...], bytes] = request.app.state.plots
+            png = _plots.get(key)
             if png is None:
-                curve = run_curve(run.manifest, f"#{sid}")
-                png = figure_bytes(learning_curve_figure([curve], title=f"submission #{sid}"), "png")
-                _plots[run.id] = png
+                curves = [run_curve(r.manifest, f"run {r.run_index + 1} · seed {r.seed if r.seed is not None else '?'}")
+                          for r in runs]
+                png = figure_bytes(learning_curve_figure(curves, title=f"submission #{sid}",
+                                                         colour_by=["runs"] * len(curves)), "png")
+                _plots[key] = png
                 while len(_plots) > PLOTS_KEPT:
                     _plots.popitem(last=False)
-            _plots.move_to_end(run.id)
+            _plots.move_to_end(key)
     except PlotError:
         raise ApiError(404, "no-curve", f"submission {sid}: no scored batch to plot", rule="prism:no-run") from None
     return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=60"})

@@ -4,9 +4,11 @@ suspension), the leaderboard, the weights (both without suspended hotkeys)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from fastapi import APIRouter, Path, Request
 
+from prism_challenge.crown import welch_p
 from prism_challenge.data.refcodes import CODECS, against_best
 from prism_challenge.service import findings as fnd
 from prism_challenge.service.errors import ApiError
@@ -194,8 +196,19 @@ def board(request: Request) -> list[dict]:
     counted, suspended = counted_entries(request, provisional=True)
     entries = leaderboard(counted, state.significance_p, excluded=suspended)
     return [{"rank": i + 1, "hotkey": e.hotkey, "submission_id": e.id, "prequential_bpb": e.prequential_bpb,
-             "bpb_std": e.bpb_std, "runs": len(e.bpbs), "provisional": e.provisional, "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
+             "bpb_std": e.bpb_std, "runs": len(e.bpbs), "provisional": e.provisional,
+             "p_vs_leader": _p_vs_leader(e, entries[0]) if i else None,
+             "final_score": e.final_score, "heldout_delta": e.heldout_delta, "flags": list(e.flags),
              "variant_of": e.variant_of, "submitted_at": _iso(e.submitted_at)} for i, e in enumerate(entries)]
+
+
+def _p_vs_leader(entry: Any, leader: Any) -> float | None:
+    """The crown rule's one-sided Welch p that ``entry``'s mean bpb is lower than the leader's
+    (:func:`~prism_challenge.crown.welch_p`), or ``None`` when either has fewer than 2 runs
+    (the test is not defined)."""
+    if len(entry.bpbs) < 2 or len(leader.bpbs) < 2:
+        return None
+    return welch_p(entry.bpbs, leader.bpbs)
 
 
 @router.get("/v1/leaderboard", summary="one entry per hotkey (its best run), in verdict.rank order; suspended "
