@@ -7,6 +7,9 @@ LEFTOVER_PREFIX = "prism"
 """What PRISM names its temporary folders (prism-bundle-, prism-params-, prism-eval-...)."""
 _made: list[str] = []  # every prism-* folder made by tempfile.mkdtemp in this test process
 _session_tmp: list[str] = []  # the session's private temp directory (TMPDIR of every child)
+CACHES = ("torchinductor_",)
+"""Not leftovers: torch's per-user compile cache under the temp directory, which ``import
+torch._dynamo`` makes in every process that imports it and every run on the host shares by design."""
 
 
 def pytest_configure(config):
@@ -39,7 +42,7 @@ def pytest_configure(config):
 def _leftovers() -> list[str]:
     """What the session left: the PRISM folders this process made that are still there, what is
     in this process's own owner folder but its lock and blank file (:mod:`prism_challenge.scratch`,
-    then removed), and anything else in the session's temp directory (a child's)."""
+    then removed), and anything else in the session's temp directory (a child's) but :data:`CACHES`."""
     import gc
 
     from prism_challenge import scratch
@@ -52,7 +55,8 @@ def _leftovers() -> list[str]:
                  and str(own.path / n) not in left]
         own.close()
     if _session_tmp:
-        left += [os.path.join(_session_tmp[0], n) for n in sorted(os.listdir(_session_tmp[0]))]
+        left += [os.path.join(_session_tmp[0], n) for n in sorted(os.listdir(_session_tmp[0]))
+                 if not n.startswith(CACHES)]
     return left
 
 

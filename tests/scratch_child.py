@@ -3,9 +3,10 @@
 Usage:
     python scratch_child.py own                       # a folder in this process's own owner folder
     python scratch_child.py attempt BASE NAME         # the owner folder of an attempt
+    python scratch_child.py stage PARENT NAME         # a folder building PARENT/NAME (a data cache)
     python scratch_child.py job WORK_DIR PROFILE DATA ZIP TOKEN   # a service attempt's run (run_job)
 
-``own`` and ``attempt`` print the folder made, one line, then sleep until killed; ``job`` runs
+``own``, ``attempt`` and ``stage`` print the folder made, one line, then sleep until killed; ``job`` runs
 :func:`prism_challenge.service.worker.run_job` (a real evaluation) and prints its status.
 """
 
@@ -24,6 +25,11 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "attempt":
         with scratch.attempt(argv[1], argv[2]) as owned:
             print(owned.mkdtemp("prism-eval-"), flush=True)
+            time.sleep(3600)
+    elif argv[0] == "stage":
+        with scratch.staging(argv[1], argv[2]) as build:
+            (build / "ids.npy").write_bytes(b"half a cache")
+            print(build, flush=True)
             time.sleep(3600)
     else:
         from prism_challenge.profiles import load_profile

@@ -128,6 +128,25 @@ def test_concurrent_sweeps_never_remove_a_live_folder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_killed_builders_staging_folder_goes_at_the_next_build_and_a_finished_one_leaves_only_its_result(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    live, live_build = hold("stage", str(cache), "train-bytes")
+    dead, dead_build = hold("stage", str(cache), "train-bytes")
+    try:
+        assert live_build.parent.parent == cache and live_build.parent.name.startswith(".train-bytes.tmp-")
+        kill(dead)
+        with scratch.staging(cache, "train-bytes") as build:  # the next build: the dead one's folder goes
+            assert sorted(p.name for p in cache.iterdir()) == sorted([live_build.parent.name, build.parent.name])
+            (build / "ids.npy").write_bytes(b"a whole cache")
+            os.rename(build, cache / "train-bytes")  # published as prepare and the token cache do
+        assert sorted(p.name for p in cache.iterdir()) == sorted([live_build.parent.name, "train-bytes"])
+        assert (cache / "train-bytes" / "ids.npy").read_bytes() == b"a whole cache" and live_build.is_dir()
+        assert not dead_build.exists()
+    finally:
+        kill(live)
+
+
 def test_an_owner_folder_is_made_only_in_a_base_of_this_user(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path)
     with pytest.raises(scratch.ScratchError, match="not a directory of this user"):

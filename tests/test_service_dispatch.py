@@ -33,6 +33,7 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
     world,
 )
 
+from prism_challenge import scratch
 from prism_challenge.service.dispatch import start
 from prism_challenge.service.worker import NAMESPACE, Evaluation, Job, actor_name
 
@@ -69,16 +70,21 @@ def test_a_submission_is_evaluated_on_ray_bit_exact_with_evaluate(world, service
     wait(lambda: not named_actors(), "the finished attempt's actor to be killed", timeout=30)
 
 
-def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service):
+def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service, tmp_path):
     store, blobs, make = service
     sid = submit(store, blobs, world["zip"])
-    d = make().start()
+    work = tmp_path / "work"  # the attempts' temporary folders (issue 27: nothing left behind)
+    d = make(work_dir=str(work)).start()
     token = wait(lambda: next(iter(d.in_flight), None), "the attempt to be dispatched")
     actor = d.actor(token)
     wait(lambda: stage(actor) in ("gates", "stream", "heldout"), "the run to reach the gates")
+    assert (work / token / scratch.LOCK_NAME).is_file() and list(work.glob(f"{token}/prism-eval-*/run"))
     pid = ray.get(actor.where.remote())["pid"]
     os.kill(pid, signal.SIGKILL)
     final(store, sid)
+    d.stop()  # the loop stopped: its reconcile is called here
+    d.reconcile()  # the killed attempt's folder went at the retry's start, or goes now
+    assert os.listdir(work) == []
     first, second = store.attempts(sid)
     assert (first.outcome, first.failure_stage, first.failure_kind) == ("retry", "dispatch", "infrastructure")
     assert "the Ray worker of attempt 1 died" in first.failure_message

@@ -119,14 +119,15 @@ def _own_base(base: Path) -> Path:
     return base
 
 
-def create(base: str | os.PathLike[str], name: str) -> Owned:
-    """Make and lock the owner folder ``<base>/<name>`` (module docstring).
+def create(base: str | os.PathLike[str], name: str, *, own_base: bool = True) -> Owned:
+    """Make and lock the owner folder ``<base>/<name>`` (module docstring). ``own_base``: make
+    ``base`` and check it is this user's (:func:`_own_base`; not for the temp directory itself).
 
     Raises:
         ScratchError: see :func:`_own_base`; ``name`` is held by a live owner.
     """
     base = Path(base)
-    if base != Path(tempfile.gettempdir()):
+    if own_base and base != Path(tempfile.gettempdir()):
         _own_base(base)
     new = Path(tempfile.mkdtemp(prefix=NEW_PREFIX, dir=base))
     fd = os.open(new / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -263,5 +264,27 @@ def attempt(base: str | os.PathLike[str], name: str) -> Iterator[Owned]:
         owned.close()
 
 
+@contextmanager
+def staging(parent: str | os.PathLike[str], name: str) -> Iterator[Path]:
+    """A fresh empty folder (mode 0700) to build ``<parent>/<name>`` in, then rename into place
+    (a prepared data directory, a token cache): ``<parent>/.<name>.tmp-<hex>/d``, inside an owner
+    folder that goes when the block ends, with ``d`` if it was not renamed away. A builder killed
+    midway leaves its folder to the next build's :func:`sweep` of ``.<name>.tmp-*`` in ``parent``.
+
+    Raises:
+        OSError: ``parent`` cannot be written.
+    """
+    parent = Path(parent)
+    prefix = f".{name}.tmp-"
+    sweep(parent, prefix)
+    owned = create(parent, prefix + secrets.token_hex(4), own_base=False)
+    try:
+        build = owned.path / "d"
+        build.mkdir(mode=0o700)
+        yield build
+    finally:
+        owned.close()
+
+
 __all__ = ["FOLDER_MODE", "LOCK_NAME", "NEW_PREFIX", "Owned", "RUN_PREFIX", "ScratchError", "attempt", "create",
-           "current", "made", "mkdtemp", "own", "remove_tree", "root", "sweep"]
+           "current", "made", "mkdtemp", "own", "remove_tree", "root", "staging", "sweep"]
