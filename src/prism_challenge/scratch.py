@@ -92,6 +92,7 @@ class Owned:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (the folder is gone, the lock dropped)."""
         return self._fd < 0
 
     def close(self) -> None:
