@@ -4,6 +4,7 @@ Usage:
     python scratch_child.py own                       # a folder in this process's own owner folder
     python scratch_child.py attempt BASE NAME         # the owner folder of an attempt
     python scratch_child.py stage PARENT NAME         # a folder building PARENT/NAME (a data cache)
+    python scratch_child.py attempt-own BASE NAME     # an attempt that makes the process's own folder
     python scratch_child.py job WORK_DIR PROFILE DATA ZIP TOKEN   # a service attempt's run (run_job)
 
 ``own``, ``attempt`` and ``stage`` print the folder made, one line, then sleep until killed; ``job`` runs
@@ -26,6 +27,11 @@ def main(argv: list[str]) -> int:
         with scratch.attempt(argv[1], argv[2]) as owned:
             print(owned.mkdtemp("prism-eval-"), flush=True)
             time.sleep(3600)
+    elif argv[0] == "attempt-own":  # prints the own folder made during the attempt, then whether it is gone
+        with scratch.attempt(argv[1], argv[2]):
+            held = scratch.own().mkdtemp("prism-")
+        print(held, "gone" if not held.parent.exists() else "kept", flush=True)
+        return 0
     elif argv[0] == "stage":
         with scratch.staging(argv[1], argv[2]) as build:
             (build / "ids.npy").write_bytes(b"half a cache")

@@ -82,6 +82,7 @@ def test_a_killed_attempts_folder_is_removed_by_the_reconciles_sweep_and_a_live_
 
 
 def test_an_attempt_ending_normally_removes_its_folder_and_read_only_copies_in_it(tmp_path):
+    before = scratch.own()  # made before the attempt: it stays
     with scratch.attempt(tmp_path, "c" * 32) as owned:
         inner = scratch.mkdtemp("prism-bundle-")  # the attempt is current: folders go in it
         assert inner.parent == tmp_path / ("c" * 32) and scratch.root() == owned.path
@@ -89,7 +90,18 @@ def test_an_attempt_ending_normally_removes_its_folder_and_read_only_copies_in_i
         (inner / "f.py").chmod(0o444)
         inner.chmod(0o555)  # as a frozen bundle copy is
     assert os.listdir(tmp_path) == []
-    assert scratch.root() != owned.path  # the process's own folder is current again
+    assert scratch.root() == before.path and before.path.is_dir()  # the process's own folder is current again
+
+
+def test_an_attempt_that_made_its_process_own_folder_removes_it_too(tmp_path):
+    """A Ray actor's attempt whose feeder socket went to the process's own folder: an actor is
+    killed once its result is read, so its own folder goes with the attempt."""
+    done = subprocess.run([sys.executable, str(CHILD), "attempt-own", str(tmp_path / "work"), "f" * 32],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    own, after = done.stdout.split()
+    assert Path(own).parent.name.startswith(scratch.RUN_PREFIX) and after == "gone"
+    assert not Path(own).parent.exists() and os.listdir(tmp_path / "work") == []
 
 
 def test_concurrent_sweeps_never_remove_a_live_folder(tmp_path):

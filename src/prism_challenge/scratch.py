@@ -249,12 +249,16 @@ def attempt(base: str | os.PathLike[str], name: str) -> Iterator[Owned]:
     """The owner folder ``<base>/<name>`` of one service attempt (``name``: its token), made
     after a :func:`sweep` of ``base`` (the folders of attempts whose process died) and current
     in this process until the block ends, then removed. One attempt per process: a Ray actor.
+    The process's own folder (:func:`own`), if the attempt made it (a feeder socket whose path
+    would be too long in the attempt's folder), is removed with it: an actor is killed, not
+    exited, once its result is read.
 
     Raises:
         ScratchError: see :func:`create`.
     """
     sweep(base)
     owned = create(base, name)
+    before = made()
     with _lock:
         _attempts.append(owned)
     try:
@@ -263,6 +267,9 @@ def attempt(base: str | os.PathLike[str], name: str) -> Iterator[Owned]:
         with _lock:
             _attempts.remove(owned)
         owned.close()
+        mine = made()
+        if mine is not None and mine is not before:
+            mine.close()
 
 
 @contextmanager
