@@ -16,11 +16,13 @@ from fixtures_data import make_rows, write_jsonl, write_salt
 from sqlalchemy import func, select
 
 from prism_challenge import EvalOptions, evaluate
+from prism_challenge.certificate import create_key_file
 from prism_challenge.data.prepare import prepare
 from prism_challenge.profiles import load_profile
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.dispatch import Dispatcher
 from prism_challenge.service.models import Attempt, Run
+from prism_challenge.service.settings import default_signing_key_file
 from prism_challenge.service.store import Store
 from prism_challenge.service.worker import ACTOR_PREFIX, NAMESPACE, actor_name
 
@@ -112,6 +114,9 @@ def world(tmp_path_factory):
     ``evaluate()`` result on a seed (``world["direct"](seed)``, each seed run once)."""
     operator_key()
     root = tmp_path_factory.mktemp("fleet")
+    key = default_signing_key_file()  # the operator's key, which prism serve creates at start (publish_key)
+    if not key.exists():
+        create_key_file(key)
     data = fixture_data(root)
     (root / "fleet-test.toml").write_text(PROFILE_TOML)
     profile = load_profile(str(root / "fleet-test.toml"))

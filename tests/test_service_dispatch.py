@@ -36,6 +36,7 @@ from fleet_fixtures import (  # noqa: F401 - world and service are fixtures
     world,
 )
 
+from prism_challenge import scratch
 from prism_challenge.service.dispatch import start
 from prism_challenge.service.worker import NAMESPACE, Evaluation, Job, actor_name
 
@@ -80,18 +81,23 @@ def test_a_submission_is_evaluated_on_ray_bit_exact_with_evaluate(world, service
     assert again["curve"]["nats_per_target"] == run.manifest["curve"]["nats_per_target"]
 
 
-def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service):
+def test_a_sigkilled_ray_worker_is_retried_and_gives_exactly_one_result(world, service, tmp_path):
     store, blobs, make = service
     sid = submit(store, blobs, world["zip"])
-    d = make().start()
+    work = tmp_path / "work"  # the attempts' temporary folders (issue 27: nothing left behind)
+    d = make(work_dir=str(work)).start()
     # the confirmation run's worker is killed (run 1: it is claimed once run 0 is written)
     token = wait(lambda: next((t for t, c in d.in_flight.items() if c.run_index == 1), None),
                  "the confirmation run to be dispatched")
     actor = d.actor(token)
     wait(lambda: stage(actor) in ("gates", "stream", "heldout"), "the run to reach the gates")
+    assert (work / token / scratch.LOCK_NAME).is_file() and list(work.glob(f"{token}/prism-eval-*/run"))
     pid = ray.get(actor.where.remote())["pid"]
     os.kill(pid, signal.SIGKILL)
     final(store, sid)
+    d.stop()  # the loop stopped: its reconcile is called here
+    d.reconcile()  # the killed attempt's folder went at the retry's start, or goes now
+    assert os.listdir(work) == []
     first, killed, again = store.attempts(sid)
     assert (first.run_index, first.outcome, killed.run_index, again.run_index) == (0, "completed", 1, 1)
     assert (killed.outcome, killed.failure_stage, killed.failure_kind) == ("retry", "dispatch", "infrastructure")

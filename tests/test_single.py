@@ -138,6 +138,7 @@ def test_the_rank_gets_torchruns_worker_environment(tmp_path):
     argv = launcher.torchrun_command(1)
     argv = [*argv[:argv.index("-m", 3)], str(script), str(tmp_path / "torchrun.json")]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD"))}
+    base["TMPDIR"] = str(tmp_path)  # torchrun's log folder (torchelastic_*), which it leaves: the sandbox's /tmp in a run
     subprocess.run(argv, env=base, check=True, timeout=120, capture_output=True)
     theirs = json.load(open(tmp_path / "torchrun.json"))
     ours = single.worker_env(base, master_port=12345)

@@ -29,7 +29,6 @@ import lzma
 import os
 import shutil
 import stat
-import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from prism_challenge import scratch
 from prism_challenge.bundlefiles import (  # ALLOWED_SUFFIXES: re-exported
     ALLOWED_SUFFIXES,  # noqa: F401
     BYTECODE_DIR,
@@ -412,7 +412,7 @@ def extract_zip(
     Args:
         path: the ``.zip`` file.
         dest: an existing empty directory to extract into; default a fresh
-            ``tempfile.mkdtemp(prefix="prism-bundle-")``, which the caller owns and removes.
+            ``scratch.mkdtemp("prism-bundle-")`` (:mod:`prism_challenge.scratch`), which the caller owns and removes.
         limits: intake limits.
 
     Returns:
@@ -436,7 +436,7 @@ def extract_zip(
     except OSError as exc:
         raise BundleError(f"{src}: cannot open ({exc.strerror})", "prism:bundle-unreadable") from None
     created = dest is None
-    out = Path(tempfile.mkdtemp(prefix="prism-bundle-")) if dest is None else Path(dest)
+    out = scratch.mkdtemp("prism-bundle-") if dest is None else Path(dest)
     if created:  # mkdtemp makes it 0700: a sandbox that runs as its own uid must read the bundle
         out.chmod(0o755)
     try:
@@ -568,7 +568,7 @@ def readable_copy(
             ``prism:bundle-unreadable`` when a file cannot be read; nothing is left on disk.
     """
     src = Path(root)
-    out = Path(tempfile.mkdtemp(prefix="prism-bundle-"))
+    out = scratch.mkdtemp("prism-bundle-")
     try:
         out.chmod(0o755)
         dest = out / (src.name or "bundle")

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prism_challenge.bundle import IntakeLimits, open_bundle, readable_copy
+from prism_challenge.scratch import remove_tree  # re-exported: frozen.remove_tree (a read-only tree)
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -69,24 +69,8 @@ class FrozenBundle:
         return sorted(k for k in keys if now.get(k) != self.at_intake.get(k))
 
     def remove(self) -> None:
-        """Delete the copy (:func:`remove_tree`)."""
+        """Delete the copy (:func:`prism_challenge.scratch.remove_tree`)."""
         remove_tree(self.holder)
-
-
-def remove_tree(path: str | os.PathLike[str]) -> None:
-    """Delete a directory tree made read-only by :func:`freeze`: write bits are restored first,
-    so an owner who is not root can delete it. Missing paths are ignored."""
-    for dirpath, dirnames, _ in os.walk(path):
-        for d in dirnames:
-            try:
-                os.chmod(os.path.join(dirpath, d), 0o755)
-            except OSError:
-                pass
-    try:
-        os.chmod(path, 0o755)
-    except OSError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _seal(root: Path) -> None:

@@ -20,7 +20,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from prism_challenge import __version__
+from prism_challenge import __version__, scratch
 from prism_challenge.auditstage import (
     AUDIT_DIR,
     audit_run,
@@ -87,6 +86,7 @@ DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long t
 DRAIN_S = 5.0  # after torchrun exited, the feeder gets this long to read the ranks' last frames
 WATCHDOG_GRACE_S = 30.0  # past the wall-clock budget, the tree is killed after this long
 LOG_TAIL_LINES = 12
+SOCKET_PATH_MAX = 100  # a unix socket path, bytes: under sun_path's 108 with room to spare
 # The parent shares the cores with the ranks: it wakes rarely (an OMP thread of a rank that
 # loses its core stalls every other thread of that rank at the next barrier).
 WATCH_INTERVAL_S = 0.25  # the watch loop's period: few wake-ups on cores the ranks compute on
@@ -175,11 +175,16 @@ def _remove_run_dir(run_dir: Path, fresh: bool) -> None:
 
 
 def _socket_path(run_dir: Path) -> tuple[str, Path | None]:
-    """The feeder socket: in the run directory when the path fits, else in a short temp dir."""
+    """The feeder socket: in the run directory when the path fits, else in a fresh folder of the
+    current owner folder (:func:`prism_challenge.scratch.mkdtemp`), else of the process's own
+    (under the temp directory: the shortest path)."""
     path = run_dir / "feeder.sock"
-    if len(os.fsencode(path)) < 100:
+    if len(os.fsencode(path)) < SOCKET_PATH_MAX:
         return str(path), None
-    tmp = Path(tempfile.mkdtemp(prefix="prism-"))
+    tmp = scratch.mkdtemp("prism-")
+    if len(os.fsencode(tmp / "feeder.sock")) >= SOCKET_PATH_MAX:
+        shutil.rmtree(tmp)
+        tmp = scratch.own().mkdtemp("prism-")
     return str(tmp / "feeder.sock"), tmp
 
 

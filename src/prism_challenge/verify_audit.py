@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from prism_challenge import scratch
 from prism_challenge.verify_recompute import CURVE_RTOL, Mismatch
 
 
@@ -120,7 +121,8 @@ def children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[i
     artifacts = Path(str(audit["context"]["artifacts_dir"]))
     report = AuditReport()
     deadline = time.monotonic() + timeout_s
-    with (empty_artifacts(artifacts) if artifacts.is_dir() else tempfile.TemporaryDirectory()) as empty:
+    spare = None if artifacts.is_dir() else tempfile.TemporaryDirectory(prefix="prism-audit-", dir=scratch.root())
+    with (empty_artifacts(artifacts) if spare is None else spare) as empty:
         writable = [str(empty)]
         if not artifacts.is_dir():
             config["context"] = {**config["context"], "artifacts_dir": str(empty)}

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prism_challenge import scratch
+
 PREFIX_STOPS = ("wall_clock_budget", "stalled")
 """Stop reasons that depend on the machine's speed: the curves are compared on their common prefix."""
 
@@ -143,7 +145,7 @@ def reexecute(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, isolation
     from prism_challenge.pipeline import evaluate
     from prism_challenge.verify_recompute import Mismatch
 
-    with tempfile.TemporaryDirectory(prefix="prism-reexecute-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="prism-reexecute-", dir=scratch.root()) as tmp:
         key = Path(tmp) / "key" / "signing-key.pem"
         create_key_file(key)
         opts = options_of(m, copy, Path(data.root), Path(tmp) / "run", isolation, key)

@@ -25,15 +25,16 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
+from prism_challenge import scratch
 from prism_challenge.data.manifest import DataError, DataManifest
 from prism_challenge.data.progress import ProgressFn
 from prism_challenge.data.shards import iter_texts
@@ -306,7 +307,8 @@ def build_token_cache(
     lengths_table = table.astype(np.uint8)
     tokenizer.encode("warm up")  # load the BPE tables once, before the threads start
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    stack = ExitStack()  # a builder killed midway leaves its folder to the next build's sweep
+    tmp = stack.enter_context(scratch.staging(path.parent, path.name))
     writers: list[_NpyWriter] = []
     try:
         w_ids = _NpyWriter(tmp / "ids.npy", dtype)
@@ -355,7 +357,7 @@ def build_token_cache(
     finally:
         for w in writers:
             w.f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stack.close()
     return open_token_cache(path, expect=_expected_meta(manifest, tokenizer, split))
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from prism_challenge import __version__
+from prism_challenge import __version__, scratch
 from prism_challenge.data.manifest import (
     SCHEMA,
     SPLIT_DIRS,
@@ -177,7 +177,8 @@ def build_partitioned_dir(
     if out.exists() and not force:
         raise DataError(f"{out}: already exists (remove it, choose another --out, or pass --force)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    stack = ExitStack()  # a prepare killed midway leaves its folders to the next one's sweep
+    tmp = stack.enter_context(scratch.staging(out.parent, out.name))
     try:
         data = _build(source, tmp, salt, max_docs, max_bytes, shard_bytes, shard_docs, progress, extra or {})
         write_manifest(tmp, data)
@@ -185,10 +186,9 @@ def build_partitioned_dir(
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700
         if out.exists():  # force: swap, then drop the old directory
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "d")
+            old = stack.enter_context(scratch.staging(out.parent, f"{out.name}.old"))
+            os.rename(out, old)  # over the empty folder; removed with its owner folder
             os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.rename(tmp, out)
@@ -197,7 +197,7 @@ def build_partitioned_dir(
                     raise DataError(f"{out}: created by someone else while this prepare ran") from None
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        stack.close()
     return load_manifest(out)
 
 

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prism_challenge import scratch
 from prism_challenge.evaluator import sabotage, seccompfilter
 
 MODES = ("strict", "none")
@@ -401,17 +402,10 @@ def _plan(
 
 
 def _blank_file() -> str:
-    """An empty file of mode 000 owned by this uid, bound over hidden files (reads fail)."""
-    import tempfile
-
-    d = Path(tempfile.gettempdir()) / f"prism-blank-{os.geteuid()}"
-    f = d / "blank"
+    """An empty file of mode 000 owned by this uid, bound over hidden files (reads fail): in
+    the current owner folder (:func:`prism_challenge.scratch.root`), which goes with the run."""
     try:
-        d.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise IsolationError(f"{d}: not a directory of this user")
-        os.chmod(d, 0o700)
+        f = scratch.root() / ".blank"
         if not f.is_file() or f.is_symlink() or f.stat().st_size:
             f.unlink(missing_ok=True)
             f.touch()
@@ -619,7 +613,7 @@ def probe(backend: str) -> tuple[bool, str]:
     """
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="prism-probe-") as d:
+    with tempfile.TemporaryDirectory(prefix="prism-probe-", dir=scratch.root()) as d:
         wdir = Path(d) / "w"
         wdir.mkdir()
         try:

@@ -30,9 +30,10 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
+
+from prism_challenge import scratch
 
 PROBES = ("host file", "network", "write outside", "privilege", "denied system call")
 PROBE_TIMEOUT_S = 60.0
@@ -135,7 +136,7 @@ def run_probes() -> list[str]:
     from prism_challenge.evaluator.isolation import Limits
     from prism_challenge.evaluator.jail import Jail
 
-    base = Path(tempfile.mkdtemp(prefix="prism-selftest-"))
+    base = scratch.mkdtemp("prism-selftest-")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         base.chmod(0o755)

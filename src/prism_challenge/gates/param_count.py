@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prism_challenge import scratch
 from prism_challenge.evaluator.childexit import exit_child
 
 if TYPE_CHECKING:
@@ -508,7 +509,7 @@ def measure_parameters(
     """
     jail = jail or check_jail(Path(root))
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="prism-params-") as work:
+    with tempfile.TemporaryDirectory(prefix="prism-params-", dir=scratch.root()) as work:
         artifacts = Path(work) / "artifacts" if context is None else Path(str(context["artifacts_dir"]))
         artifacts.mkdir(exist_ok=context is not None)
         cmd = [

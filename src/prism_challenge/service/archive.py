@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from prism_challenge import scratch
 from prism_challenge.bundle import BundleError, IntakeLimits, extract_zip
 
 CODES = {
@@ -75,7 +76,7 @@ def extract_bundle(data: bytes, dest: Path, *, max_files: int = _LIMITS.max_file
         raise ValueError(f"{dest}: not an empty folder")
     limits = IntakeLimits(max_files=max_files, max_archive_bytes=max_bytes, max_ratio=max_ratio,
                           max_source_bytes=min(_LIMITS.max_source_bytes, max_bytes))
-    with tempfile.TemporaryDirectory(prefix="prism-intake-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="prism-intake-", dir=scratch.root()) as tmp:
         zpath = Path(tmp) / "bundle.zip"
         zpath.write_bytes(data)
         try:

@@ -162,6 +162,9 @@ class Dispatcher:
         lease_timeout_s: an attempt whose actor has not started this many seconds after its
             launch (no node took its lease) ends ``failed``, ``infrastructure``, not retried;
             ``None``: it waits for ever.
+        work_dir: the folder of the attempts' temporary folders on every node (one per attempt,
+            named by its token: :func:`prism_challenge.scratch.attempt`), swept by the reconcile;
+            ``None``: :func:`~prism_challenge.service.worker.default_work_dir`.
 
     Raises:
         CannotEvaluate: (from :meth:`start`) see ``check_resources``.
@@ -172,12 +175,13 @@ class Dispatcher:
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, backoff_base_s: float = DEFAULT_BACKOFF_S,
                  data_dir: str | None = None, default_profile: str = DEFAULT_PROFILE,
                  profiles: dict[str, Profile] | None = None, poll_s: float = POLL_S, check_resources: bool | None = None,
-                 lease_timeout_s: float | None = None):
+                 lease_timeout_s: float | None = None, work_dir: str | None = None):
         if slots < 1 or max_attempts < 1:
             raise ValueError(f"slots = {slots}, max_attempts = {max_attempts}: each must be at least 1")
         self.store, self.blobs, self.ray_address = store, blobs, ray_address
         self.slots, self.max_attempts, self.backoff_base_s = slots, max_attempts, backoff_base_s
         self.data_dir, self.default_profile, self.poll_s = data_dir, default_profile, poll_s
+        self.work_dir = str(work_dir) if work_dir is not None else None
         self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._tracked: dict[str, _Track] = {}
         self._unlaunched: dict[str, _Kept] = {}  # claims whose launch raised, by token
@@ -375,7 +379,7 @@ class Dispatcher:
             self._write(claim, failure_result(EvalFailure("dispatch", f"the bundle's bytes: {exc}"), profile=profile))
             return
         job = Job(token=claim.token, submission_id=claim.submission_id, bundle=bundle, profile=profile,
-                  data_dir=self.data_dir, seed=claim.seed)
+                  data_dir=self.data_dir, seed=claim.seed, work_dir=self.work_dir)
         try:
             asked = resources_for(profile, self._gpus)
             actor = self._remote.options(name=actor_name(claim.token), namespace=NAMESPACE, lifetime="detached",
@@ -483,17 +487,18 @@ def start(state: Any) -> Dispatcher:
     """Start the service's dispatcher from its app state (the hook ``prism serve``'s lifespan
     calls): ``state.store``, ``state.blobs``, ``state.profile`` (loaded) and ``state.settings``
     (``ray_address``, ``slots``, ``max_attempts``, ``data_dir``, ``profile``, and
-    ``retry_backoff_s``, ``check_resources``, ``lease_timeout_s`` when it has them). Returns
+    ``retry_backoff_s``, ``check_resources``, ``lease_timeout_s``, ``work_dir`` when it has them). Returns
     the started dispatcher (``stop()`` at shutdown).
     """
     settings, profile = state.settings, state.profile
-    data_dir = getattr(settings, "data_dir", None)
+    data_dir, work_dir = getattr(settings, "data_dir", None), getattr(settings, "work_dir", None)
     return Dispatcher(state.store, state.blobs, ray_address=settings.ray_address, slots=settings.slots,
                       max_attempts=settings.max_attempts, check_resources=getattr(settings, "check_resources", None),
                       lease_timeout_s=getattr(settings, "lease_timeout_s", None),
                       backoff_base_s=getattr(settings, "retry_backoff_s", DEFAULT_BACKOFF_S),
                       data_dir=str(data_dir) if data_dir is not None else None, default_profile=settings.profile,
-                      profiles={settings.profile: profile, profile.name: profile}).start()
+                      profiles={settings.profile: profile, profile.name: profile},
+                      work_dir=str(work_dir) if work_dir is not None else None).start()
 
 
 __all__ = ["CannotEvaluate", "DEFAULT_BACKOFF_S", "DEFAULT_SLOTS", "Dispatcher", "MAX_BACKOFF_S", "Reconciled",

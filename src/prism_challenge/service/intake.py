@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prism_challenge import scratch
 from prism_challenge.bundle import SPEC_FILE, BundleError, read_spec_full
 from prism_challenge.gates.findings import Finding
 from prism_challenge.profiles import Profile
@@ -140,7 +141,7 @@ def run_intake(data: bytes, settings: ServiceSettings, profile: Profile) -> Inta
     """
     from prism_challenge.gates.core import run_gates
 
-    with tempfile.TemporaryDirectory(prefix="prism-intake-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="prism-intake-", dir=scratch.root()) as tmp:
         try:
             root = extract_bundle(data, Path(tmp) / "bundle", max_files=settings.max_bundle_files,
                                   max_bytes=settings.max_bundle_bytes, max_ratio=settings.max_bundle_ratio)

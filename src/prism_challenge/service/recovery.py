@@ -12,19 +12,27 @@ killed; actors whose token this database does not know are left alone. Detached 
 the driver that made them on a cluster started with ``ray start`` (``ray_address``); the
 embedded Ray (``ray_address=None``) is the service's own child and ends with it, so its running
 attempts are re-dispatched after a restart.
+
+Temporary folders: every reconcile sweeps this node's work dir (:func:`prism_challenge.scratch.sweep`:
+the folders of attempts whose process died: ended, fenced off, lost or SIGKILLed, whose lock is
+free; a live attempt's folder is locked and left) and the temp directory's ``prism-run-*``
+folders of dead processes. Other nodes' work dirs are swept by each attempt's start there.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prism_challenge import scratch
 from prism_challenge.failures import EvalFailure
 from prism_challenge.service.store import Claim
 from prism_challenge.service.unstored import unreachable
-from prism_challenge.service.worker import ACTOR_PREFIX, NAMESPACE, actor_name, failure_result
+from prism_challenge.service.worker import ACTOR_PREFIX, NAMESPACE, actor_name, default_work_dir, failure_result
 
 if TYPE_CHECKING:
     from prism_challenge.service.dispatch import Dispatcher
@@ -35,12 +43,13 @@ log = logging.getLogger("prism_challenge.service")
 @dataclass(frozen=True)
 class Reconciled:
     """What :func:`reconcile` did: submission ids whose live attempt is tracked again, submission
-    ids whose attempt was gone (recorded as lost: retried or failed), and the number of actors
-    killed because their attempt has ended."""
+    ids whose attempt was gone (recorded as lost: retried or failed), the number of actors
+    killed because their attempt has ended, and the temporary folders of dead processes removed."""
 
     adopted: list[int]
     lost: list[int]
     killed: int
+    swept: list[str] = field(default_factory=list)
 
 
 def reconcile(d: Dispatcher) -> Reconciled:
@@ -78,11 +87,21 @@ def reconcile(d: Dispatcher) -> Reconciled:
             log.warning("killed the actor of attempt token %s, which has ended (its result was written)", token)
         except ValueError:
             pass
+    swept = sweep_folders(d.work_dir)
     d._last_reconcile = time.monotonic()
-    if adopted or lost or killed:
-        log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors", d.name, adopted,
-                 lost, killed)
-    return Reconciled(adopted, lost, killed)
+    if adopted or lost or killed or swept:
+        log.info("dispatcher %s reconciled: adopted %s, lost %s, killed %d orphan actors, removed %d temporary "
+                 "folders of dead processes", d.name, adopted, lost, killed, len(swept))
+    return Reconciled(adopted, lost, killed, swept)
+
+
+def sweep_folders(work_dir: str | None) -> list[str]:
+    """Remove this node's temporary folders of dead processes: the attempt folders in
+    ``work_dir`` (``None``: :func:`~prism_challenge.service.worker.default_work_dir`) and the
+    ``prism-run-*`` folders in the temp directory (:func:`prism_challenge.scratch.sweep`)."""
+    base = Path(work_dir) if work_dir else default_work_dir()
+    removed = scratch.sweep(base) + scratch.sweep(tempfile.gettempdir(), scratch.RUN_PREFIX)
+    return [str(p) for p in removed]
 
 
 def _lost(d: Dispatcher, claim: Claim, message: str) -> bool:
@@ -117,4 +136,4 @@ def kill_actor(actor: Any) -> None:
         pass
 
 
-__all__ = ["Reconciled", "kill_actor", "reconcile"]
+__all__ = ["Reconciled", "kill_actor", "reconcile", "sweep_folders"]

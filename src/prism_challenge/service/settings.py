@@ -41,6 +41,9 @@ class ServiceSettings(BaseSettings):
                          "(a shipped name or a TOML file)")
     data_dir: Path | None = Field(None, description="the locked data directory of the profile (the dispatcher's)")
     run_root: Path | None = Field(None, description="where run directories go; None: <user data dir>/runs")
+    work_dir: Path | None = Field(None, description="the folder of the attempts' temporary folders on every node "
+                                  "(one per attempt, named by its token, removed when it ends; the reconcile "
+                                  "removes those of attempts whose process died); None: <user data dir>/work")
     signing_key_file: Path | None = Field(None, description="the operator's ed25519 key that signs every run manifest "
                                           "(PKCS8 PEM, mode 0600: a file its group or others may read is refused); "
                                           "None: <user data dir>/signing-key.pem, created (0600) on first start "

@@ -6,9 +6,12 @@ of :class:`Evaluation` per attempt (:func:`actor_name`: the attempt's fencing to
 as zip bytes and the loaded profile: no shared filesystem is assumed) and starts the run in a
 thread of the actor's process, so the run does not depend on any call of the driver that made
 it: a restarted service finds the actor by name and asks it for the result. :func:`run_job`
-extracts the bundle into a temporary folder (:func:`~prism_challenge.service.archive.extract_bundle`),
+extracts the bundle into the attempt's folder (:func:`~prism_challenge.service.archive.extract_bundle`),
 runs :func:`prism_challenge.evaluate` with strict isolation under the job's profile and returns
-the result as JSON (the manifest, with its learning curve); the temporary folder is removed.
+the result as JSON (the manifest, with its learning curve); the folder is removed. The
+attempt's folder, ``<work dir>/<token>``, holds every temporary folder of the run and is locked
+while the run lives (:mod:`prism_challenge.scratch`): a SIGKILLed worker's folder is removed by
+the next attempt's start on the node and by the dispatcher's reconcile.
 
 This module imports neither torch nor Ray (the pipeline imports torch when the run starts).
 """
@@ -16,9 +19,6 @@ This module imports neither torch nor Ray (the pipeline imports torch when the r
 from __future__ import annotations
 
 import os
-import shutil
-import stat
-import tempfile
 import threading
 import time
 import traceback
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prism_challenge import __version__
+from prism_challenge import __version__, scratch
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import Profile, manifest_record, resolve
 from prism_challenge.results import EvalResult, Failure, early_manifest
@@ -53,6 +53,8 @@ class Job:
             default (the embedded corpus of a ``builtin`` profile).
         seed: the attempt's secret seed (:func:`prism_challenge.service.confirm.draw_seed`);
             ``None`` only for an attempt made before migration 0006 (the profile's seed).
+        work_dir: the folder of the node's attempt folders, or ``None`` for
+            :func:`default_work_dir`.
     """
 
     token: str
@@ -61,6 +63,7 @@ class Job:
     profile: Profile
     data_dir: str | None = None
     seed: int | None = None
+    work_dir: str | None = None
 
 
 def options_for(profile: Profile, bundle: str | Path, out_dir: str | Path, data_dir: str | None = None,
@@ -92,8 +95,20 @@ def failure_result(failure: EvalFailure, *, profile: Profile | None = None, bund
                       run_dir=None, manifest_path=None, manifest=manifest)
 
 
+def default_work_dir() -> Path:
+    """Where a node's attempt folders go when the service names none:
+    ``<platformdirs user_data_dir('prism-challenge')>/work`` (the state directory)."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("prism-challenge")) / "work"
+
+
 def run_job(job: Job, *, cancel: Any = None, on_progress: Any = None) -> dict:
-    """Extract ``job.bundle`` into a temporary folder, evaluate it, remove the folder.
+    """Extract ``job.bundle`` into the attempt's folder, evaluate it, remove the folder.
+
+    The attempt's folder is ``<job.work_dir>/<job.token>`` (:func:`prism_challenge.scratch.attempt`:
+    locked while the run lives, the folder of every temporary folder the run makes; the work
+    dir's folders of attempts whose process died are swept first).
 
     Returns:
         ``EvalResult`` as JSON (``model_dump(mode="json")``), ``run_dir`` and ``manifest_path``
@@ -103,8 +118,8 @@ def run_job(job: Job, *, cancel: Any = None, on_progress: Any = None) -> dict:
     from prism_challenge.api import evaluate
     from prism_challenge.service.archive import ArchiveError, extract_bundle
 
-    tmp = Path(tempfile.mkdtemp(prefix="prism-eval-"))
-    try:
+    with scratch.attempt(Path(job.work_dir) if job.work_dir else default_work_dir(), job.token) as owned:
+        tmp = owned.mkdtemp("prism-eval-")
         try:
             root = extract_bundle(job.bundle, tmp / "bundle")
         except ArchiveError as exc:
@@ -112,20 +127,6 @@ def run_job(job: Job, *, cancel: Any = None, on_progress: Any = None) -> dict:
         result = evaluate(options_for(job.profile, root, tmp / "run", job.data_dir, job.seed), cancel=cancel,
                           on_progress=on_progress)
         return result.model_copy(update={"run_dir": None, "manifest_path": None}).model_dump(mode="json")
-    finally:
-        _remove(tmp)
-
-
-def _remove(path: Path) -> None:
-    """``rm -rf path``, read-only folders included (the frozen bundle copy is 0555)."""
-    def fix(func, target, _exc):
-        try:
-            os.chmod(os.path.dirname(target), stat.S_IRWXU)
-            func(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
 
 
 class Evaluation:
@@ -191,4 +192,5 @@ class Evaluation:
         self._cancel.set()
 
 
-__all__ = ["ACTOR_PREFIX", "Evaluation", "Job", "NAMESPACE", "actor_name", "failure_result", "options_for", "run_job"]
+__all__ = ["ACTOR_PREFIX", "Evaluation", "Job", "NAMESPACE", "actor_name", "default_work_dir", "failure_result",
+           "options_for", "run_job"]
