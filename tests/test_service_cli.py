@@ -95,6 +95,15 @@ def test_submit_gates_locally_uploads_and_follows_to_the_end(tmp_path, capsys):
         code, _, err = _run(capsys, "submit", str(EXAMPLE), "--url", base, "--keyfile", str(key), "--no-wait")
         assert code == 1 and "409 duplicate" in err and "the earlier submission: 1" in err
 
+        # --json: stdout is the one JSON object; the progress lines go to stderr
+        variant = tmp_path / "variant"
+        shutil.copytree(EXAMPLE, variant)
+        (variant / "training.py").write_text((EXAMPLE / "training.py").read_text().replace(
+            "EFFECTIVE_LEARNING_RATE = 0.005", "EFFECTIVE_LEARNING_RATE = 0.004"))
+        code, out, err = _run(capsys, "submit", str(variant), "--url", base, "--keyfile", str(key), "--no-wait",
+                              "--json")
+        assert code == 0 and json.loads(out)["id"] == 2 and err.startswith("accepted: submission 2 by ")
+
         code, out, _ = _run(capsys, "status", "1", "--url", base, "--json")
         assert code == 0 and json.loads(out)["status"] == "completed"
         code, _, err = _run(capsys, "status", "77", "--url", base)

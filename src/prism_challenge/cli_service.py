@@ -176,11 +176,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
         for f in blocking:
             print(f"  {f.location}: {f.rule}: {f.message}", file=sys.stderr)
         return EXIT_FAILED
+    human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the one JSON object alone
     try:
         got = upload(args.url, body, seed)
         print(f"accepted: submission {got['id']} by {hotkey} under profile {got['profile']}"
-              + (f", a training variant of {got['variant_of']}" if got.get("variant_of") else ""), flush=True)
+              + (f", a training variant of {got['variant_of']}" if got.get("variant_of") else ""), file=human,
+              flush=True)
         if args.no_wait:
+            if args.json:
+                print(json.dumps(got, indent=2))
             return EXIT_OK
         if health(args.url).get("dispatcher") == "off":
             print(f"note: this service's dispatcher is off (prism serve --no-dispatch): submission {got['id']} "
@@ -188,7 +192,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                   f"`prism status {got['id']} --url {args.url}` reads it later)", file=sys.stderr, flush=True)
         poll_s = FOLLOW_POLL_S if args.poll is None else args.poll
         view = follow(args.url, got["id"], poll_s=poll_s, timeout_s=args.timeout,
-                      on_change=lambda v: print(_show(v), flush=True))
+                      on_change=lambda v: print(_show(v), file=human, flush=True))
     except ClientError as exc:
         return _refused(exc, "submit")
     if args.json:
