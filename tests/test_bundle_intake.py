@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prism_challenge import scratch as own_folder
 from prism_challenge.bundle import (
     ALLOWED_SUFFIXES,
     BundleError,
@@ -198,6 +199,7 @@ def test_a_private_directory_bundle_is_evaluated_from_a_readable_copy(tmp_path, 
 def test_readable_copy_holds_the_intake_limits_and_leaves_nothing(tmp_path, monkeypatch):
     src = _private_bundle(tmp_path / "mine")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(own_folder, "_own", None)  # this process's owner folder made afresh under it
     (tmp_path / "tmp").mkdir()
     with pytest.raises(BundleError) as err:
         readable_copy(src, IntakeLimits(max_source_bytes=100))
@@ -210,6 +212,10 @@ def test_readable_copy_holds_the_intake_limits_and_leaves_nothing(tmp_path, monk
     with pytest.raises(BundleError) as err:
         readable_copy(src)
     assert (err.value.rule, str(err.value)) == ("prism:symlink", "sub/link.txt: symlinks are not allowed in a bundle")
+    owned = own_folder.made()  # the copies were made in it, and removed
+    assert owned is not None and owned.path.parent == tmp_path / "tmp"
+    assert sorted(p.name for p in owned.path.iterdir()) == [own_folder.LOCK_NAME]
+    owned.close()
     assert list((tmp_path / "tmp").iterdir()) == []
 
 

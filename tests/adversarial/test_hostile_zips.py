@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from gatekit import EXAMPLE, SEED_TRAINING, arch
 
+from prism_challenge import scratch as own_folder
 from prism_challenge.bundle import BundleError, IntakeLimits, extract_zip
 from prism_challenge.gates import INTAKE_RULES, run_gates
 
@@ -69,11 +70,22 @@ ZIP_CASES = [
 ]
 
 
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A private temp directory for the test, with a fresh owner folder of this process in it
+    (:func:`prism_challenge.scratch.own`), closed at the end: what the gates extract goes there."""
+    base = tmp_path / "tmp"
+    base.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    monkeypatch.setattr(own_folder, "_own", None)
+    yield base
+    owned = own_folder.made()
+    if owned is not None and base in owned.path.parents:
+        owned.close()
+
+
 @pytest.mark.parametrize("members,rule,named", [c[1:] for c in ZIP_CASES], ids=[c[0] for c in ZIP_CASES])
-def test_hostile_zip_is_refused(tmp_path, monkeypatch, members, rule, named):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+def test_hostile_zip_is_refused(tmp_path, scratch, members, rule, named):
     z = make_zip(tmp_path / "b.zip", clean_members()[:1] + members if rule != "prism:zip-duplicate" else members)
     with pytest.raises(BundleError) as err:
         run_gates(z, check_params=False)
@@ -81,7 +93,9 @@ def test_hostile_zip_is_refused(tmp_path, monkeypatch, members, rule, named):
     assert rule in INTAKE_RULES
     if named:
         assert named in str(err.value)
-    assert list(scratch.iterdir()) == []  # nothing extracted is left behind
+    owned = own_folder.made()  # the process's owner folder, made under the test's temp directory
+    assert owned is not None and owned.path.parent == scratch
+    assert sorted(p.name for p in owned.path.iterdir()) == [own_folder.LOCK_NAME]  # nothing extracted is left
     assert not (tmp_path / "evil.py").exists() and not Path("/evil.py").exists()
 
 
@@ -193,32 +207,29 @@ def test_directory_pycache_is_refused_with_a_hint(tmp_path):
 
 
 @pytest.mark.parametrize("prefix", ["", "tiny-1m/"])
-def test_clean_zip_passes_and_is_cleaned_up(tmp_path, monkeypatch, prefix):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+def test_clean_zip_passes_and_is_cleaned_up(tmp_path, scratch, prefix):
     members = [(prefix + p.name, p.read_bytes()) for p in sorted(EXAMPLE.iterdir()) if p.is_file()]
     if prefix:
         members.insert(0, (prefix, b""))  # the folder entry itself
     z = make_zip(tmp_path / "b.zip", members)
     report = run_gates(z, check_params=False)
     assert report.findings == []
-    assert report.extracted_dir is not None and report.extracted_dir.parent == scratch
+    assert report.extracted_dir is not None and report.extracted_dir.parent == own_folder.made().path
+    assert own_folder.made().path.parent == scratch
     assert report.bundle.root == (report.extracted_dir / prefix).resolve()
     assert (report.bundle.root / "architecture.py").read_bytes() == (EXAMPLE / "architecture.py").read_bytes()
     plain = run_gates(EXAMPLE, check_params=False)
     assert report.bundle.sha256 == plain.bundle.sha256
     plain.cleanup()
     report.cleanup()
-    assert list(scratch.iterdir()) == []
+    assert sorted(p.name for p in own_folder.made().path.iterdir()) == [own_folder.LOCK_NAME]
 
 
-def test_zip_with_unreadable_spec_leaves_nothing(tmp_path, monkeypatch):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+def test_zip_with_unreadable_spec_leaves_nothing(tmp_path, scratch):
     z = make_zip(tmp_path / "b.zip", [*clean_members(), ("prism.yaml", "architecture: [1, 2]\n")])
     report = run_gates(z, check_params=False)
     assert report.bundle is None
     assert [(f.rule, f.file) for f in report.findings] == [("prism:spec", "prism.yaml")]
-    assert list(scratch.iterdir()) == []
+    owned = own_folder.made()  # the zip was extracted under the test's temp directory, and removed
+    assert owned is not None and owned.path.parent == scratch
+    assert sorted(p.name for p in owned.path.iterdir()) == [own_folder.LOCK_NAME]
