@@ -29,7 +29,8 @@ Why the loss is still recorded before the loop trains on the batch (no lookahead
   re-scores audited batches from it and compares with their records, as before.
 
 On the CPU the same code path runs; the value is already on the host when the batch is handed
-over (CPU kernels run synchronously), and :meth:`PendingNats.value` waits for nothing.
+over (CPU kernels run synchronously): it is read into a Python float before the loop gets the
+batch, and :meth:`PendingNats.value` waits for nothing.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ class PendingNats:
     """A batch's code length in nats, on its way from the device.
 
     Attributes:
-        host: ``[]`` float64 on the CPU (pinned on CUDA), filled by a non-blocking copy.
+        host: CUDA: ``[]`` float64 in pinned CPU memory, filled by a non-blocking copy. CPU: the
+            value itself, a Python float (immutable: read before the loop got the batch).
         event: the CUDA event recorded after that copy, or ``None`` on the CPU.
     """
 
-    host: torch.Tensor
+    host: torch.Tensor | float
     event: Any = None
 
     def value(self) -> float:
@@ -64,17 +66,18 @@ class PendingNats:
         alone (the host thread that calls this, never the device queue)."""
         if self.event is not None:
             self.event.synchronize()
-        return float(self.host.item())
+        return float(self.host.item()) if isinstance(self.host, torch.Tensor) else float(self.host)
 
 
 def defer(total: torch.Tensor) -> PendingNats:
     """Start reading a ``[]`` float64 total back from its device without waiting for it.
 
     CUDA: a pinned host tensor, a ``copy_(non_blocking=True)`` and an event, all enqueued on the
-    current stream. CPU: the total itself (already computed).
+    current stream. CPU: the value, read at once (the kernels already ran: nothing to wait for),
+    as a float no later code can change.
     """
     if total.device.type != "cuda":
-        return PendingNats(total.detach())
+        return PendingNats(float(total.item()))
     host = torch.empty((), dtype=total.dtype, pin_memory=True)
     host.copy_(total.detach(), non_blocking=True)
     event = torch.cuda.Event()
