@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import tempfile
 import resource
 import shutil
 import subprocess
@@ -64,6 +65,7 @@ def stack(*frames: tuple[str, str]) -> _Frame:
 @pytest.fixture()
 def policy(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", gpuadmit.TRITON_CACHE_DIR)
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")  # as in a rank: the sandbox's TMPDIR is its private /tmp
     bundle = tmp_path / "bundle"
     (bundle / "torch" / "cuda").mkdir(parents=True)
     (bundle / "architecture.py").write_text("x = 1\n")
