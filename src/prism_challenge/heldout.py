@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                                 batch_size=int(config["batch_size"]), seq_len=int(config["seq_len"]))
             batches = [c.tokens for c in cuts]
             batch_bytes: list[int] | None = [int(c.target_bytes.sum()) for c in cuts]
-            state = config["state_path"]
+            # read now, before the audit hook is armed: the state file may lie anywhere the user keeps it
+            state = io.BytesIO(Path(config["state_path"]).read_bytes())
         else:
             sys.stderr.write("usage: python -m prism_challenge.heldout CONFIG.json | --stdin\n")
             return 2

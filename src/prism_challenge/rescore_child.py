@@ -126,7 +126,10 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
 WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
                 "prism_challenge.evaluator.snapfile",
                 "prism_challenge.evaluator.interface", "prism_challenge.evaluator.seeding",
-                "prism_challenge.gates.param_count", "prism_challenge.flops", "torch.utils.flop_counter")
+                "prism_challenge.gates.param_count", "prism_challenge.flops", "torch.utils.flop_counter",
+                # the FLOP count's first forward imports it, and its import makes inductor's cache
+                # folder: done here, before the audit hook is armed, and not under the bundle's frames
+                "torch._dynamo")
 
 
 def _warm_up(device: str = "cpu") -> None:
