@@ -189,9 +189,12 @@ print(repr(scores))
 """
 
 
-def test_compute_env_allocator_settings_leave_the_score_bitwise_unchanged():
-    # the ranks run with huge pages and glibc's fixed thresholds (launcher.compute_env): where
-    # tensors live and how pages are mapped change, never a value
+def test_compute_env_allocator_settings_change_no_score_beyond_the_last_bits():
+    # the ranks run with huge pages and glibc's fixed thresholds (launcher.compute_env). Where
+    # tensors live changes the last bits of some CPU kernels' results (issue 27: the same bare loop
+    # under another allocator setting trained to 5593.180260658264 or 5593.180262565613 nats), so
+    # across settings the scores agree to 1e-9, and under the one setting every run uses,
+    # process after process, bit for bit
     import os
     import subprocess
     import sys
@@ -209,7 +212,11 @@ def test_compute_env_allocator_settings_leave_the_score_bitwise_unchanged():
                                 text=True).stdout.strip() for name, e in variants.items()}
     scores = eval(out["compute_env"])  # noqa: S307 - our own probe's repr of a list of floats
     assert len(scores) == 3 and all(s > 0 for s in scores) and scores[2] != scores[0]  # it trained
-    assert len(set(out.values())) == 1, out
+    for name, got in out.items():
+        assert eval(got) == pytest.approx(scores, rel=1e-9, abs=0), (name, out)  # noqa: S307
+    again = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=variants["compute_env"], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    assert again == out["compute_env"]  # the same setting, another process: the same bits
 
 
 def test_non_finite_logits_are_charged_not_called_non_causal():

@@ -66,10 +66,14 @@ def test_a_lost_worker_node_mid_run_is_retried_on_the_other_node(world, service,
     final(store, sid, timeout=300)
     nodes.remove(victim)  # the module's cluster keeps two worker nodes for the next case (the other database)
     nodes.append(c.add_node(num_cpus=1))
-    first, second, confirmation = store.attempts(sid)
+    attempts = store.attempts(sid)
+    run0 = [a for a in attempts if a.run_index == 0]
+    run1 = [a for a in attempts if a.run_index == 1]
+    first = run0[0]
     assert (first.outcome, first.failure_stage, first.failure_kind) == ("retry", "dispatch", "infrastructure")
     assert first.node.split()[1] == where["node_id"][:12]
-    assert second.outcome == "completed" and second.node.split()[1] == other.node_id[:12]
-    assert (confirmation.run_index, confirmation.outcome) == (1, "completed")
-    assert counts(store, sid) == (3, 2)
+    assert [a.outcome for a in run0] == ["retry", "completed"] and run0[1].node.split()[1] == other.node_id[:12]
+    # the confirmation run: it may itself have been struck by the node's loss; it ends with one result
+    assert run1[-1].outcome == "completed" and all(a.outcome == "retry" for a in run1[:-1])
+    assert len(run0) + len(run1) == len(attempts) and counts(store, sid) == (len(attempts), 2)
     assert_same_as_direct(store, sid, world["direct"], exact=(0,))

@@ -95,8 +95,10 @@ class Reporter:
         sock: the feeder's socket; reader: its :class:`~prism_challenge.evaluator.protocol.FrameReader`.
         step: the batch; nats: its pending code length.
         audit: whether the run is audited (the feeder answers every record).
-        kept: rank 0 of an audited run: ``(step, state copy)`` taken before the scoring forward,
-            consumed when sent; ``None`` elsewhere.
+        kept: rank 0 of an audited run: ``(step, state copy)`` taken before the scoring forward;
+            ``None`` elsewhere. Held until :meth:`settle`, which frees it on the caller's thread:
+            memory freed on this thread at a load-dependent moment moved the loop's next tensors
+            to other addresses from run to run (:func:`~prism_challenge.evaluator.snapsend.send_snapshot`).
         then: payload-less frames sent last (the request for the next batch).
     """
 
@@ -106,12 +108,13 @@ class Reporter:
         self.step = step
         self.error: BaseException | None = None
         self._args: tuple | None = (sock, reader, nats, audit, kept, then)
+        self._kept = kept  # freed by settle(), on the loop's thread
         self._thread = threading.Thread(target=self._run, name="prism-reporter", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         sock, reader, nats, audit, kept, then = self._args
-        self._args = None  # the thread's frame holds the snapshot alone: it goes when sent
+        self._args = None
         try:
             value = nats.value()
             record = (Kind.RECORD, {"step": self.step, "nats": value if math.isfinite(value) else None})
@@ -127,10 +130,8 @@ class Reporter:
             if answer[1] is True and kept is not None:
                 if kept[0] != self.step:
                     raise protocol.ProtocolError(f"batch {self.step} is audited, and its weights were not kept")
-                state, kept = kept[1], None
-                send_snapshot(sock, self.step, state)
-                del state
-            kept = None
+                send_snapshot(sock, self.step, kept[1])
+            kept = None  # the copy itself stays alive until settle() (self._kept)
             if then:
                 protocol.send_small(sock, *then)
         except BaseException as exc:  # noqa: BLE001 - handed to the runner's thread by settle()
@@ -149,6 +150,7 @@ class Reporter:
                 of order, a state dtype the harness cannot store), naming the batch.
         """
         self._thread.join()
+        self._kept = None  # the snapshot's memory goes back here, on the loop's thread, at a fixed point
         if isinstance(self.error, protocol.ProtocolError):
             raise self.error
         if self.error is not None:

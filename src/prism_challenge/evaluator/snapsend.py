@@ -54,16 +54,19 @@ def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]
     name's is (:func:`aliases_of`) goes as an alias frame: the header names the earlier one
     (``alias``) and carries no payload, so a tied weight crosses the socket and lands on the
     trusted disk once (:class:`~prism_challenge.evaluator.snapshots.SnapshotStore`). ``state`` is
-    consumed: each entry leaves the dict once it is sent, so on a GPU the copy's device memory
-    goes back to the loop tensor by tensor while it trains, and the host holds one tensor at a time.
+    left whole: the caller frees it on the loop's thread at a fixed point
+    (:meth:`~prism_challenge.evaluator.reporter.Reporter.settle`). Freed here, on the sending
+    thread, its memory went back to the allocator at moments that depended on the machine's
+    load, so the loop's next tensors landed at other addresses from run to run, and the CPU's
+    kernels do not give the same last bits at every address (issue 27's drift). The host holds
+    one CPU copy at a time (none on the CPU, where the copy is the state's own tensor).
 
     Raises:
         StateError: a dtype the harness cannot store.
         OSError: the socket closed.
     """
     sent, count, aliases = 0, len(state), aliases_of(state)
-    for name in list(state):
-        t = state.pop(name)
+    for name, t in state.items():
         if str(t.dtype) not in DTYPES:
             raise StateError(f"state tensor {name!r} has dtype {t.dtype}, which the harness cannot store")
         head = {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "step": step}
@@ -74,6 +77,6 @@ def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]
         payload = tensor_bytes(cpu)
         protocol.send(sock, Kind.SNAPSHOT, head, payload)
         sent += len(payload)
-        del t, cpu, payload
+        del cpu, payload
     protocol.send(sock, Kind.SNAPSHOT_END, {"step": step, "tensors": count})
     return sent
