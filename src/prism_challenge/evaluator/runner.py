@@ -87,6 +87,7 @@ class Runtime:
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
         self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
+        self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # the last batch's copy, until settle()
         self.sender: Reporter | None = None  # the last batch's report (record, answer, snapshot), on its way
         self.clock = PhaseClock(bool(config.get("profile_phases")))  # benchmarks only (evaluator/phases.py)
 
@@ -101,6 +102,7 @@ class Runtime:
         sender, self.sender = self.sender, None
         if sender is not None:
             sender.settle()
+        self.held = None  # the batch's copy of the weights, freed here on every rank (the loop's thread)
 
     # -- reporting ---------------------------------------------------------------------------
     def report_error(self, stage: str, message: str, tb: str = "") -> None:
@@ -217,7 +219,7 @@ class Runtime:
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
             clock.lap("staging")
-            self.kept = self._state_before(model, step)  # rank 0: the weights before the model sees the batch
+            self.kept = self._state_before(model, step)  # the weights before the model sees the batch (sent by rank 0)
             clock.lap("state_copy")
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
@@ -233,9 +235,13 @@ class Runtime:
                 self._check_census(model, census, tokens, step)
             clock.lap("census")
             kept, self.kept = self.kept, None
-            # record, answer, snapshot and the next request leave while the loop trains on this batch
-            self.sender = Reporter(self.sock, self.reader, step, nats, bool(self.config.get("audit")), kept,
-                                   then=((Kind.NEXT, request),))
+            # record, answer, snapshot and the next request leave while the loop trains on this batch.
+            # Every rank takes the copy, and every rank frees it in settle(): the ranks' allocations
+            # follow one sequence, so equal values lie at alike addresses on every rank (issue 27);
+            # only rank 0's is sent
+            self.held = kept
+            self.sender = Reporter(self.sock, self.reader, step, nats, bool(self.config.get("audit")),
+                                   kept if self.rank == 0 else None, then=((Kind.NEXT, request),))
             del kept
             clock.batches += 1
             clock.lap("report_start")
@@ -250,7 +256,7 @@ class Runtime:
             step += 1
 
     def _state_before(self, model: nn.Module, step: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Rank 0 of an audited run: ``(step, a copy of the scored module's state_dict)`` taken
+        """An audited run (every rank; rank 0 sends it): ``(step, a copy of the scored module's state_dict)`` taken
         before the scoring forward, so no submitted code has run on the batch yet: a forward that
         wrote what it read into its own buffers leaves no trace in it. Kept until the feeder's
         answer (:meth:`answer_audit`); on the model's device (a copy of the parameters' size).
@@ -258,7 +264,7 @@ class Runtime:
         Raises:
             ContractError: an entry that is not a plain tensor (a subclass could defer its copy).
         """
-        if self.rank != 0 or not self.config.get("audit"):
+        if not self.config.get("audit"):
             return None
         out: dict[str, torch.Tensor] = {}
         copies: dict[tuple, torch.Tensor] = {}  # a tied tensor (two names, one storage) is copied once
