@@ -96,9 +96,10 @@ class Reporter:
         step: the batch; nats: its pending code length.
         audit: whether the run is audited (the feeder answers every record).
         kept: rank 0 of an audited run: ``(step, state copy)`` taken before the scoring forward;
-            ``None`` elsewhere. Held until :meth:`settle`, which frees it on the caller's thread:
-            memory freed on this thread at a load-dependent moment moved the loop's next tensors
-            to other addresses from run to run (:func:`~prism_challenge.evaluator.snapsend.send_snapshot`).
+            ``None`` elsewhere. The caller keeps it alive until :meth:`settle` returned and frees
+            it on its own thread (:attr:`~prism_challenge.evaluator.runner.Runtime.held`): memory
+            freed on this thread at a load-dependent moment moved the loop's next tensors to
+            other addresses from run to run (:func:`~prism_challenge.evaluator.snapsend.send_snapshot`).
         then: payload-less frames sent last (the request for the next batch).
     """
 
@@ -108,7 +109,6 @@ class Reporter:
         self.step = step
         self.error: BaseException | None = None
         self._args: tuple | None = (sock, reader, nats, audit, kept, then)
-        self._kept = kept  # freed by settle(), on the loop's thread
         self._thread = threading.Thread(target=self._run, name="prism-reporter", daemon=True)
         self._thread.start()
 
@@ -131,7 +131,7 @@ class Reporter:
                 if kept[0] != self.step:
                     raise protocol.ProtocolError(f"batch {self.step} is audited, and its weights were not kept")
                 send_snapshot(sock, self.step, kept[1])
-            kept = None  # the copy itself stays alive until settle() (self._kept)
+            kept = None  # the copy itself stays alive with the caller (Runtime.held)
             if then:
                 protocol.send_small(sock, *then)
         except BaseException as exc:  # noqa: BLE001 - handed to the runner's thread by settle()
@@ -150,7 +150,6 @@ class Reporter:
                 of order, a state dtype the harness cannot store), naming the batch.
         """
         self._thread.join()
-        self._kept = None  # the snapshot's memory goes back here, on the loop's thread, at a fixed point
         if isinstance(self.error, protocol.ProtocolError):
             raise self.error
         if self.error is not None:

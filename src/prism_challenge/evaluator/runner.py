@@ -86,8 +86,8 @@ class Runtime:
         self.models: list[nn.Module] = []
         self.scored_model: nn.Module | None = None
         self.determinism = determinism_flags()  # as force_determinism left them (built after it)
-        self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # rank 0: (step, weights before it)
-        self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # the last batch's copy, until settle()
+        # an audited run: (step, the weights before the batch's scoring forward), until settle()
+        self.held: tuple[int, dict[str, torch.Tensor]] | None = None
         self.sender: Reporter | None = None  # the last batch's report (record, answer, snapshot), on its way
         self.clock = PhaseClock(bool(config.get("profile_phases")))  # benchmarks only (evaluator/phases.py)
 
@@ -219,7 +219,10 @@ class Runtime:
             tokens = staging.tokens(payload, rows, cols)
             self._check_determinism(step)
             clock.lap("staging")
-            self.kept = self._state_before(model, step)  # the weights before the model sees the batch (sent by rank 0)
+            # the weights before the model sees the batch. Every rank takes the copy and frees it in
+            # settle(): the ranks' allocations follow one sequence, so equal values lie at alike
+            # addresses on every rank (issue 27); only rank 0's is sent
+            self.held = self._state_before(model, step)
             clock.lap("state_copy")
             probe = header.get("probe")
             census = TensorCensus() if probe else None  # the probed batches also take a census
@@ -234,15 +237,9 @@ class Runtime:
             if census is not None:
                 self._check_census(model, census, tokens, step)
             clock.lap("census")
-            kept, self.kept = self.kept, None
-            # record, answer, snapshot and the next request leave while the loop trains on this batch.
-            # Every rank takes the copy, and every rank frees it in settle(): the ranks' allocations
-            # follow one sequence, so equal values lie at alike addresses on every rank (issue 27);
-            # only rank 0's is sent
-            self.held = kept
+            # record, answer, snapshot and the next request leave while the loop trains on this batch
             self.sender = Reporter(self.sock, self.reader, step, nats, bool(self.config.get("audit")),
-                                   kept if self.rank == 0 else None, then=((Kind.NEXT, request),))
-            del kept
+                                   self.held if self.rank == 0 else None, then=((Kind.NEXT, request),))
             clock.batches += 1
             clock.lap("report_start")
             try:
@@ -258,8 +255,8 @@ class Runtime:
     def _state_before(self, model: nn.Module, step: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """An audited run (every rank; rank 0 sends it): ``(step, a copy of the scored module's state_dict)`` taken
         before the scoring forward, so no submitted code has run on the batch yet: a forward that
-        wrote what it read into its own buffers leaves no trace in it. Kept until the feeder's
-        answer (:meth:`answer_audit`); on the model's device (a copy of the parameters' size).
+        wrote what it read into its own buffers leaves no trace in it. Held until the batch's report
+        has left (:meth:`settle`); on the model's device (a copy of the parameters' size).
 
         Raises:
             ContractError: an entry that is not a plain tensor (a subclass could defer its copy).
