@@ -190,11 +190,11 @@ print(repr(scores))
 
 
 def test_compute_env_allocator_settings_change_no_score_beyond_the_last_bits():
-    # the ranks run with huge pages and glibc's fixed thresholds (launcher.compute_env). Where
-    # tensors live changes the last bits of some CPU kernels' results (issue 27: the same bare loop
-    # under another allocator setting trained to 5593.180260658264 or 5593.180262565613 nats), so
-    # across settings the scores agree to 1e-9, and under the one setting every run uses,
-    # process after process, bit for bit
+    # the ranks run with huge pages and glibc's fixed thresholds (launcher.compute_env). A bare
+    # loop is not bit for bit reproducible from process to process on a CPU, whatever the
+    # allocator: about 1 process in 40 trains to 5593.180262565613 nats at step 1 instead of
+    # 5593.180260658264 (issue 27; the same with ASLR off, `setarch -R`). So this test asserts what
+    # holds: under every allocator setting, and from process to process, the scores agree to 1e-9
     import os
     import subprocess
     import sys
@@ -207,16 +207,13 @@ def test_compute_env_allocator_settings_change_no_score_beyond_the_last_bits():
     allocator = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
     base = {k: v for k, v in {**os.environ, **env}.items() if k not in allocator}
     variants = {"glibc defaults, 4 KiB pages": base, "huge pages only": {**base, "THP_MEM_ALLOC_ENABLE": "1"},
-                "compute_env": {**os.environ, **env}}
+                "compute_env": {**os.environ, **env}, "compute_env, another process": {**os.environ, **env}}
     out = {name: subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=e, check=True, capture_output=True,
                                 text=True).stdout.strip() for name, e in variants.items()}
     scores = eval(out["compute_env"])  # noqa: S307 - our own probe's repr of a list of floats
     assert len(scores) == 3 and all(s > 0 for s in scores) and scores[2] != scores[0]  # it trained
     for name, got in out.items():
         assert eval(got) == pytest.approx(scores, rel=1e-9, abs=0), (name, out)  # noqa: S307
-    again = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], env=variants["compute_env"], check=True,
-                           capture_output=True, text=True).stdout.strip()
-    assert again == out["compute_env"]  # the same setting, another process: the same bits
 
 
 def test_non_finite_logits_are_charged_not_called_non_causal():

@@ -67,7 +67,25 @@ def test_ranks_that_drift_apart_are_caught(tmp_path):
     spec.loader.exec_module(arch)
     n = len(arch.build_model(types.SimpleNamespace(vocab_size=50257, max_seq_len=64)).state_dict())
     assert f"rank(s) [1] disagree with rank 0 in 1 of {n} tensors: ln_f.weight (" in o.failure.message
-    assert "rank(s) [1] disagree with rank 0" in o.failure.message
+    assert o.failure.kind == "submission" and o.failure.cause == ""  # 1.0 on every weight: the loop's doing
+
+
+ULP = SEED_LOOP.replace(
+    "    if ctx.rank == 0 and ctx.artifacts_dir:",
+    "    if ctx.rank == 1:\n        with torch.no_grad():\n            model.ln_f.weight.mul_(1 + 2e-7)\n"
+    "    if ctx.rank == 0 and ctx.artifacts_dir:",
+)
+
+
+def test_ranks_that_differ_in_the_last_bits_only_are_drift_and_retryable_not_the_submissions_fault(tmp_path):
+    # one or two ulps on one tensor: what a CPU reduction that rounds differently in one rank leaves
+    assert ULP != SEED_LOOP
+    o = run(tmp_path, write_bundle(tmp_path / "b", ARCH, ULP, tokenizer="gpt2"), nproc=2, step_budget=2)
+    assert o.failure is not None and o.failure.stage == "consistency" and o.failure.cause == "drift"
+    assert o.failure.kind == "infrastructure" and "in their last bits only" in o.failure.message
+    assert "ln_f.weight" in o.failure.message
+    rel = float(o.failure.message.split("moments within ")[1].split(" ")[0])
+    assert 1e-7 < rel < 3e-7  # the weights are ~1 (LayerNorm), nudged by 2e-7 relative
 
 
 @pytest.mark.parametrize("argv, needle", [(["--nproc", "9"], "between 1 and 8"), (["--nproc", "0"], "between 1 and 8"),

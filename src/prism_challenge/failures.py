@@ -36,6 +36,7 @@ ANY_CAUSE = ""
 REPORTED = "reported"  # the runner, inside a rank, reported the failure (any stage it names)
 KILLED = "killed"  # the launcher (torchrun, or the single-rank agent) ended on a signal the harness did not send
 TOKENIZER = "tokenizer"  # prism.yaml names a tokenizer the profile does not allow
+DRIFT = "drift"  # the ranks' final states differ in their last bits only (feeder._check_states)
 ANY_STAGE = "*"
 
 
@@ -74,6 +75,9 @@ FAILURE_KINDS: tuple[StageKind, ...] = (
               "the bundle's processes reached a limit: memory, tasks, file size, the artifacts quota"),
     StageKind("consistency", ANY_CAUSE, SUBMISSION,
               "the ranks disagree: different final `state_dict` digests, or a rank out of step with the others"),
+    StageKind("consistency", DRIFT, INFRASTRUCTURE,
+              "the ranks' final states differ in their last bits only (each differing tensor's sum and sum of "
+              "absolute values agree to `statedict.DRIFT_RTOL`): the CPU's kernels, not the loop; a retry runs it again"),
     StageKind("budget", ANY_CAUSE, SUBMISSION, "no batch was scored before the wall-clock budget ran out"),
     StageKind("runner", ANY_CAUSE, SUBMISSION,
               "a rank ended, or broke the protocol, without a report: the submission's process died"),

@@ -793,7 +793,7 @@ def _judge(opts: EvalOptions, result: FeederResult, killed_by: str | None, proc,
     if result.error is not None:
         err = result.error
         return EvalFailure(err["stage"], err["message"], err.get("traceback") or _log_tail(log_path),
-                           cause=REPORTED if err.get("origin") == "runner" else "")
+                           cause=REPORTED if err.get("origin") == "runner" else str(err.get("cause") or ""))
     if killed_by == "watchdog":
         result.stop_reason = "wall_clock_budget"
     elif killed_by == "stalled":

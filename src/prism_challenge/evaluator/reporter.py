@@ -97,9 +97,9 @@ class Reporter:
         audit: whether the run is audited (the feeder answers every record).
         kept: rank 0 of an audited run: ``(step, state copy)`` taken before the scoring forward;
             ``None`` elsewhere. The caller keeps it alive until :meth:`settle` returned and frees
-            it on its own thread (:attr:`~prism_challenge.evaluator.runner.Runtime.held`): memory
-            freed on this thread at a load-dependent moment moved the loop's next tensors to
-            other addresses from run to run (:func:`~prism_challenge.evaluator.snapsend.send_snapshot`).
+            it on its own thread (:attr:`~prism_challenge.evaluator.runner.Runtime.held`), so the
+            loop's allocations do not depend on when this thread ran
+            (:func:`~prism_challenge.evaluator.snapsend.send_snapshot`).
         then: payload-less frames sent last (the request for the next batch).
     """
 

@@ -52,7 +52,7 @@ from prism_challenge.evaluator.phases import PhaseClock
 from prism_challenge.evaluator.reporter import Reporter, defer
 from prism_challenge.evaluator.snapfile import exact_view
 from prism_challenge.evaluator.staging import Staging
-from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, uncompiled
+from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, state_moments, uncompiled
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -220,8 +220,8 @@ class Runtime:
             self._check_determinism(step)
             clock.lap("staging")
             # the weights before the model sees the batch. Every rank takes the copy and frees it in
-            # settle(): the ranks' allocations follow one sequence, so equal values lie at alike
-            # addresses on every rank (issue 27); only rank 0's is sent
+            # settle(): the ranks' allocations and frees follow one sequence, whatever the load
+            # (issue 27); only rank 0's is sent
             self.held = self._state_before(model, step)
             clock.lap("state_copy")
             probe = header.get("probe")
@@ -400,8 +400,9 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
                 return 1
             state = cpu_state(model)
             done["state_sha256"], each = state_digests(state)
-            if world_size > 1 and sum(len(k) + 24 for k in each) <= TENSOR_DIGESTS_MAX_BYTES:
+            if world_size > 1 and sum(len(k) + 72 for k in each) <= TENSOR_DIGESTS_MAX_BYTES:
                 done["state_tensors"] = each  # names the tensors ranks disagree on (feeder._check_states)
+                done["state_moments"] = state_moments(state)  # tells drift in the last bits from a real split
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
                 for header, payload in frames(state):
                     protocol.send(sock, Kind.STATE, header, payload)

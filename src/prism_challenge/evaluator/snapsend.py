@@ -56,9 +56,9 @@ def send_snapshot(sock: socket.socket, step: int, state: dict[str, torch.Tensor]
     trusted disk once (:class:`~prism_challenge.evaluator.snapshots.SnapshotStore`). ``state`` is
     left whole: the caller frees it on the loop's thread at a fixed point
     (:meth:`~prism_challenge.evaluator.reporter.Reporter.settle`). Freed here, on the sending
-    thread, its memory went back to the allocator at moments that depended on the machine's
-    load, so the loop's next tensors landed at other addresses from run to run, and the CPU's
-    kernels do not give the same last bits at every address (issue 27's drift). The host holds
+    thread, its memory would go back to the allocator at moments that depend on the machine's
+    load, and the loop's allocations with it: the harness keeps what it can of the rank's work in
+    one sequence, whatever the load (issue 27). The host holds
     one CPU copy at a time (none on the CPU, where the copy is the state's own tensor).
 
     Raises:

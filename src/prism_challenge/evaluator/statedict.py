@@ -84,6 +84,55 @@ def state_digests(state: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str
     return whole.hexdigest(), each
 
 
+def state_moments(state: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """``name -> [sum, sum of |x|]`` of every floating-point tensor, both in float64 (a tensor
+    of ``n`` elements gives two numbers). Two ranks whose digests differ but whose moments agree
+    to :data:`DRIFT_RTOL` of the sum of ``|x|`` differ in the last bits only
+    (:func:`drift_only`); integer and bool tensors have none (any difference there is real)."""
+    out = {}
+    for name in sorted(state):
+        t = state[name]
+        if t.is_floating_point() and t.numel():
+            x = t.detach().to(torch.float64)
+            out[name] = [float(x.sum()), float(x.abs().sum())]
+    return out
+
+
+DRIFT_RTOL = 1e-4
+"""How far two ranks' moments of one tensor may lie apart, relative to its sum of ``|x|``, and
+still count as drift in the last bits (:func:`drift_only`). A float32 rounding difference in one
+step, carried through a short run, moves them by about 1e-7; a rank that trained on other data,
+or skipped a step, by far more than 1e-4."""
+
+
+def drift_only(a: Mapping[str, str], b: Mapping[str, str], ma: Mapping[str, list[float]],
+               mb: Mapping[str, list[float]]) -> tuple[bool, float]:
+    """Whether two ranks' states that hash differently differ in their last bits only:
+    ``(verdict, largest relative difference)``.
+
+    ``a``, ``b``: name -> per-tensor digest (:func:`state_digests`); ``ma``, ``mb``: name ->
+    moments (:func:`state_moments`). True when both name the same tensors and every tensor
+    whose digest differs is floating-point on both sides with each moment within
+    ``DRIFT_RTOL * max(sum |x|)`` of the other's. False for anything else (a tensor only one rank
+    has, an integer tensor that differs, moments missing or malformed)."""
+    if set(a) != set(b):
+        return False, float("inf")
+    worst = 0.0
+    for name in (n for n in a if a[n] != b[n]):
+        x, y = ma.get(name), mb.get(name)
+        if not (isinstance(x, list) and isinstance(y, list) and len(x) == len(y) == 2):
+            return False, float("inf")
+        try:
+            scale = max(abs(float(x[1])), abs(float(y[1])), 1e-30)
+            rel = max(abs(float(p) - float(q)) for p, q in zip(x, y)) / scale
+        except (TypeError, ValueError):
+            return False, float("inf")
+        if not rel <= DRIFT_RTOL:  # NaN: not drift
+            return False, float("inf") if rel != rel else rel
+        worst = max(worst, rel)
+    return True, worst
+
+
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """sha256 over ``name, dtype, shape, raw bytes`` of every tensor, in sorted name order."""
     return state_digests(state)[0]
