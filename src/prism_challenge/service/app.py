@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 
 from prism_challenge import __version__
 from prism_challenge.profiles import load_profile
@@ -112,7 +113,9 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
             stop_dispatcher(app)
             app.state.store.close()
 
-    app = FastAPI(title="PRISM challenge service", version=__version__, lifespan=lifespan,
+    # /docs and /redoc: Swagger UI and ReDoc served from the fastapi-offline package's own copies
+    # (under /static-offline-docs), never a CDN, so they render on a host with no internet
+    app = FastAPIOffline(title="PRISM challenge service", version=__version__, lifespan=lifespan,
                   description="Signed submissions, the same gates at intake, evaluation under one profile, "
                               "a leaderboard and weights.")
     profile = load_profile(settings.profile)
