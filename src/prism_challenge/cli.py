@@ -49,11 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVICE_EXTRA_MODULES = frozenset({"sqlalchemy", "alembic", "psycopg", "fastapi", "fastapi_offline", "starlette",
+                                   "uvicorn", "pydantic_settings", "prometheus_client", "jinja2", "ray"})
+"""The top-level modules of the ``[service]`` extra's packages (pyproject.toml): a command that
+needs one of them on a plain install says which install to run."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``prism`` console script; returns the exit code."""
+    """Entry point of the ``prism`` console script; returns the exit code (2 when the command
+    needs the ``[service]`` extra and it is not installed)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in SERVICE_EXTRA_MODULES:
+            raise
+        sys.stderr.write(f"prism {args.command}: needs the service extra ({exc.name} is not installed): "
+                         "pip install 'prism-challenge[service]' (from a checkout: pip install -e '.[service]')\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("prism: interrupted\n")
         return 130
