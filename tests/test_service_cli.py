@@ -189,3 +189,18 @@ def test_the_client_says_what_to_check_when_there_is_no_answer(tmp_path, capsys)
     assert "dispatcher is off (prism serve --no-dispatch)" in err
     assert "prism submit: stopped following: submission 1 is still pending after 1 s" in err
     assert f"prism status 1 --url {base}" in err and "refused" not in err
+
+
+def test_a_confirmed_submission_reads_as_runs_and_their_mean_not_as_attempt_3_of_5():
+    from prism_challenge.cli_service import _show
+
+    runs = [{"run": i, "status": "scored", "prequential_bpb": b} for i, b in enumerate((4.0, 4.1, 4.3))]
+    view = {"id": 7, "status": "running", "attempts": 2, "max_attempts": 4, "runs_wanted": 3, "runs": runs[:1],
+            "scores": {"prequential_bpb": 4.0, "final_score": 0.2}, "failure": None}
+    assert _show(view) == ("submission 7: running (run 2 of 3, 2 attempt(s) in all)  "
+                           "prequential_bpb of the runs so far: 4.0000")
+    done = {**view, "status": "completed", "attempts": 3, "runs": runs}
+    # mean 12.4 / 3; sample std sqrt(((0.4/3)^2 + (0.1/3)^2 + (0.5/3)^2) / 2) = sqrt(0.42 / 18) = 0.15275
+    assert _show(done) == ("submission 7: completed (3 of 3 runs, 3 attempt(s) in all)  prequential_bpb 4.1333 ± "
+                           "0.1528 (mean ± std of the runs: 4.0000, 4.1000, 4.3000)")
+    assert _show({**view, "status": "pending", "runs": []}) == "submission 7: pending (run 1 of 3, 2 attempt(s) in all)"

@@ -165,6 +165,14 @@ def test_the_api_shows_a_seed_only_once_its_run_ended(tmp_path):
         assert "provisional</span>" not in page and f'{statistics.fmean([2.0, 2.5, 2.3]):.4f} ± ' in page
         assert row["prequential_bpb"] == statistics.fmean([2.0, 2.5, 2.3])
         assert row["bpb_std"] == pytest.approx(statistics.stdev([2.0, 2.5, 2.3]), rel=1e-12)
+        # the submission's page: each run with its seed, their mean and std (as the board's), and
+        # the scores table named as the last run's (2.3), never read as the submission's figure
+        sub_page = httpx.get(f"{base}/submissions/{sid}", timeout=60).text
+        assert "<th>runs</th><td>3 of 3 (each on its own secret seed), 3 attempt(s) in all</td>" in sub_page
+        assert all(f'<td class="num mono">{r.seed}</td>' in sub_page for r in (first, second, third))
+        assert (f"{statistics.fmean([2.0, 2.5, 2.3]):.6f} ± {statistics.stdev([2.0, 2.5, 2.3]):.6f}" in sub_page
+                and "mean ± std of 3 runs (the leaderboard's)" in sub_page)
+        assert "<h2>Scores of the last scored run</h2>" in sub_page and "2.300000" in sub_page
 
 
 def test_the_profile_sets_the_confirmation_knobs_as_integers(tmp_path):

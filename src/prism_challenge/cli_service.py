@@ -130,10 +130,30 @@ def _serve(app: Any, settings: Any) -> int:
 
 
 def _show(view: dict) -> str:
-    line = f"submission {view['id']}: {view['status']} (attempt {view['attempts']}/{view['max_attempts']})"
-    if view.get("scores"):
-        s = view["scores"]
-        line += f"  prequential_bpb {s['prequential_bpb']:.4f}  final_score {s['final_score']:.6f}"
+    """One line for a submission's view: its status and attempt, and once scored its bpb. A
+    submission confirmed by several runs (``runs_wanted`` > 1) names the run under way and the
+    bpb of each run scored so far; once completed, their mean with the sample standard deviation
+    (the leaderboard's ``prequential_bpb`` and ``bpb_std``)."""
+    import statistics
+
+    from prism_challenge.service.client import FINAL
+
+    wanted, runs, final = int(view.get("runs_wanted") or 1), view.get("runs") or [], view["status"] in FINAL
+    if wanted == 1:
+        line = f"submission {view['id']}: {view['status']} (attempt {view['attempts']}/{view['max_attempts']})"
+        if view.get("scores"):
+            s = view["scores"]
+            line += f"  prequential_bpb {s['prequential_bpb']:.4f}  final_score {s['final_score']:.6f}"
+    else:
+        where = f"{len(runs)} of {wanted} runs" if final else f"run {min(len(runs) + 1, wanted)} of {wanted}"
+        line = f"submission {view['id']}: {view['status']} ({where}, {view['attempts']} attempt(s) in all)"
+        bpbs = [r["prequential_bpb"] for r in runs if r.get("status") == "scored" and r.get("prequential_bpb") is not None]
+        each = ", ".join(f"{b:.4f}" for b in bpbs)
+        if final and len(bpbs) > 1:
+            line += (f"  prequential_bpb {statistics.fmean(bpbs):.4f} ± {statistics.stdev(bpbs):.4f} "
+                     f"(mean ± std of the runs: {each})")
+        elif bpbs:
+            line += f"  prequential_bpb of the runs so far: {each}"
     if view.get("failure"):
         f = view["failure"]
         rule = f" {f['rule']}" if f.get("rule") else ""

@@ -9,6 +9,7 @@ plots), a hotkey's findings and suspension (``/hotkeys/{hotkey}``) and "how to s
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import OrderedDict
 from importlib import resources
@@ -49,14 +50,21 @@ def error_page(request: Request, exc: ApiError) -> HTMLResponse:
 @router.get("/submissions/{sid}", response_class=HTMLResponse)
 def submission_page(request: Request, sid: int = SubmissionId) -> HTMLResponse:
     """A submission: status, failure, scores, its learning curve and attempts (an unknown id:
-    a 404 page)."""
+    a 404 page). A submission of several runs (confirmation, ``runs_wanted`` > 1) also lists
+    each run with its seed, and the mean and sample std of their bpb (the leaderboard's figures);
+    the scores table is then the last scored run's."""
     try:
         view = submission_view(request, sid)
     except ApiError as exc:
         return error_page(request, exc)
     run = latest_run(request.app.state.store, sid)
     has_curve = bool(run is not None and (run.manifest.get("curve") or {}).get("nats_per_target"))
-    return _page(request, "submission.html", s=view, has_curve=has_curve, hk=hotkey_view(request, view["hotkey"]))
+    bpbs = [r["prequential_bpb"] for r in view.get("runs") or [] if r.get("status") == "scored"
+            and r.get("prequential_bpb") is not None]
+    over_runs = ({"n": len(bpbs), "mean": statistics.fmean(bpbs), "std": statistics.stdev(bpbs)}
+                 if len(bpbs) > 1 else None)
+    return _page(request, "submission.html", s=view, has_curve=has_curve, hk=hotkey_view(request, view["hotkey"]),
+                 over_runs=over_runs)
 
 
 @router.get("/hotkeys/{hotkey}", response_class=HTMLResponse)
