@@ -18,7 +18,7 @@ from rich.console import Console
 
 from prism_challenge import EvalOptions, evaluate
 from prism_challenge.cli_eval import ProgressBar
-from prism_challenge.events import BatchScored, RunFinished, StageFinished, StageStarted
+from prism_challenge.events import BatchScored, RunFinished, StageCount, StageFinished, StageStarted
 from prism_challenge.results import RunManifest
 from prism_challenge.run_manifest import MANIFEST_NAME
 
@@ -75,6 +75,14 @@ def test_a_scored_run_its_typed_manifest_and_its_events(tmp_path):
     assert bar.progress.tasks[0].completed == m.stream.tokens == 20_000 == bar.progress.tasks[0].total
     assert [(t.description, t.fields["note"], t.finished) for t in bar.progress.tasks[1:]] == [
         ("audit + held-out", "done", True), ("manifest", "done", True)]
+    # the parts of the audit + held-out stage: each at its start, then its count, against the manifest
+    parts = [(e.part, e.done) for e in events if isinstance(e, StageCount)]
+    audit, heldout = m.audit, m.verdict.heldout
+    assert parts == [("re-scored", None), ("re-scored", len(audit.batches)), ("blind probes", audit.blind_probes),
+                     ("held-out batches", None), ("held-out batches", heldout.batches)]
+    assert len(audit.batches) >= 1 and heldout.batches >= 1
+    assert bar.progress.tasks[1].fields["counts"] == (f"{len(audit.batches)} re-scored · {audit.blind_probes} "
+                                                      f"blind probes · {heldout.batches} held-out batches")
 
 
 def test_a_contract_failure_has_a_typed_manifest_and_the_kind_submission(tmp_path):

@@ -114,7 +114,7 @@ def test_the_draws_are_the_secrets_and_a_removed_batch_or_a_hidden_secret_is_nam
 
 
 def test_the_reexecution_says_each_stage_and_each_tenth_with_the_runs_own_bpb_beside():
-    from prism_challenge.events import BatchScored, StageStarted
+    from prism_challenge.events import BatchScored, StageCount, StageStarted
     from prism_challenge.verify_reexecute import progress
 
     per, cum_t, cum_b = [2.0, 1.0, 0.5], [10, 20, 30], [12, 24, 36]  # nats per target, cumulative targets/bytes
@@ -131,6 +131,13 @@ def test_the_reexecution_says_each_stage_and_each_tenth_with_the_runs_own_bpb_be
     assert lines[2] == f"batch 2/3: 0.500000 bpb so far, the run's {30 / math.log(2) / 24:.6f}"
     assert lines[-1] == f"batch 3/3: 0.500000 bpb so far, the run's {35 / math.log(2) / 36:.6f}"
     assert len(lines) == 4  # every batch is a tenth's mark when there are 3
+    m.update(audit={"batches": [{}, {}, {}], "blind_probes": 8}, verdict={"heldout": {"batches": 5}})
+    lines.clear()
+    on_event = progress(m, lines.append)
+    for part, done in (("re-scored", None), ("re-scored", 3), ("blind probes", 8), ("held-out batches", 4)):
+        on_event(StageCount(stage="heldout", part=part, done=done))
+    assert lines == ["stage heldout: 3 re-scored, the run's 3", "stage heldout: 8 blind probes, the run's 8",
+                     "stage heldout: 4 held-out batches, the run's 5"]
 
 
 def test_a_run_audited_with_a_smaller_a_than_the_harness_is_refused_unless_accepted():

@@ -33,6 +33,7 @@ _EXPORTS = {
     "FAILURE_KINDS": "prism_challenge.failures",
     "StageStarted": "prism_challenge.events",
     "StageFinished": "prism_challenge.events",
+    "StageCount": "prism_challenge.events",
     "BatchScored": "prism_challenge.events",
     "RunFinished": "prism_challenge.events",
 }

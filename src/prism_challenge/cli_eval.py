@@ -330,7 +330,9 @@ class ProgressBar:
     ``total`` and ``unit``) and advances on each ``batch_scored`` (the stream's tokens consumed
     under a token budget, so it reaches the budget; else bytes), showing ``bpb_so_far``; the
     stages after it (the audit and held-out evaluation, the manifest) each get a line with their
-    elapsed time, marked done when they end."""
+    elapsed time, marked done when they end; the audit + held-out line names the part under way
+    (``stage_count``) and counts each part once it ended ("3 re-scored · 8 blind probes · 5
+    held-out batches")."""
 
     AFTER = {"heldout": "audit + held-out", "manifest": "manifest"}
 
@@ -351,13 +353,14 @@ class ProgressBar:
         self.task: Any = None
         self.unit = "bytes"
         self.stages: dict[str, Any] = {}
+        self.parts: dict[str, dict[str, int]] = {}  # stage -> part -> its count, once the part ended
 
     def _counts(self) -> str:
         t = self.progress.tasks[self.task]
         return f"{t.completed:,.0f}/{t.total:,.0f} {self.unit}" if t.total else f"{t.completed:,.0f} {self.unit}"
 
     def __call__(self, event: Any) -> None:
-        from prism_challenge.events import BatchScored, StageFinished, StageStarted
+        from prism_challenge.events import BatchScored, StageCount, StageFinished, StageStarted
 
         if isinstance(event, StageStarted) and event.stage == "stream":
             self.unit = event.unit or "bytes"
@@ -374,6 +377,13 @@ class ProgressBar:
         elif isinstance(event, StageStarted) and event.stage in self.AFTER and self.task is not None:
             self.stages[event.stage] = self.progress.add_task(self.AFTER[event.stage], total=None, counts="",
                                                               note="running")
+        elif isinstance(event, StageCount) and event.stage in self.stages:
+            parts = self.parts.setdefault(event.stage, {})
+            if event.done is not None:
+                parts[event.part] = event.done
+            counts = " · ".join(f"{n:,} {part}" for part, n in parts.items())
+            self.progress.update(self.stages[event.stage], counts=counts,
+                                 note="running" if event.done is not None else f"{event.part}…")
         elif isinstance(event, StageFinished) and event.stage in self.stages:
             self.progress.update(self.stages[event.stage], total=1, completed=1,
                                  note="done" if event.ok else "[red]failed")

@@ -6,7 +6,8 @@ a library caller (a service streaming them, an operator's script). Each event ha
 
 Order: ``stage_started``/``stage_finished`` pairs for the stages of :data:`STAGES` that run (a
 run refused at the gates has no ``stream``), ``batch_scored`` for every scored global batch
-while the stream runs, and one ``run_finished`` last, whatever the outcome.
+while the stream runs, ``stage_count`` within ``heldout`` (each part at its start and its end),
+and one ``run_finished`` last, whatever the outcome.
 
 Callbacks run on the pipeline's own threads (``batch_scored`` on the feeder's): they must
 return quickly and not block. An exception in the callback is reported once as a warning and
@@ -72,6 +73,19 @@ class BatchScored(_Event):
     tokens_so_far: int | None = Field(default=None, ge=0)
 
 
+class StageCount(_Event):
+    """A part of a stage after the stream, with its count. Emitted with ``done`` None when the
+    part starts, and with its count when it ends. The parts of ``heldout``: ``re-scored``
+    (audited batches re-scored in a fresh process, :mod:`prism_challenge.rescore`), ``blind
+    probes`` (rows probed blind, the same child), ``held-out batches`` (batches of val text
+    scored by the trained model and its twin, :mod:`prism_challenge.heldout`)."""
+
+    event: Literal["stage_count"] = "stage_count"
+    stage: Stage
+    part: Literal["re-scored", "blind probes", "held-out batches"]
+    done: int | None = Field(default=None, ge=0)
+
+
 class RunFinished(_Event):
     """The run ended: ``status`` as in the manifest; ``kind``/``stage`` of the failure (``None``
     when scored); ``seconds`` from the call of ``evaluate``; ``run_dir`` is ``None`` for a run
@@ -87,4 +101,4 @@ class RunFinished(_Event):
     run_dir: str | None
 
 
-ProgressEvent = Union[StageStarted, StageFinished, BatchScored, RunFinished]
+ProgressEvent = Union[StageStarted, StageFinished, StageCount, BatchScored, RunFinished]

@@ -55,7 +55,7 @@ from prism_challenge.evaluator.isolation import Guard, IsolationError
 from prism_challenge.evaluator.jail import Jail, diagnose, jail_limits
 from prism_challenge.evaluator.launcher import LaunchError, agent_of, check_layout, launch
 from prism_challenge.control import CANCELLED_MESSAGE, RunControl
-from prism_challenge.events import BatchScored
+from prism_challenge.events import BatchScored, StageCount
 from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, EvalFailure  # noqa: F401
 from prism_challenge.evaluator.gpu import CudaCheck, CudaCheckError, cpu_stack, gpu_count_error, start_cuda_check
 from prism_challenge.evaluator.gpu import manifest_record as gpu_record
@@ -594,13 +594,20 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
             with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
                 keep_bundle(frozen.root, run_dir)
                 if opts.audited_batches > 0:
+                    control.emit(StageCount(stage="heldout", part="re-scored"))
                     audit = audit_run(jail=sandbox.jail, config=child_config(
                         _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
                         result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
                         artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout,
                         audited_batches=opts.audited_batches)
+                    control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
+                    control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
+                if opts.heldout_bytes > 0:
+                    control.emit(StageCount(stage="heldout", part="held-out batches"))
                 heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
                                                   context_values(config, opts.nproc), key=key)
+                if heldout is not None:
+                    control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
                 verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
                                         heldout_error=heldout_error, policy=opts.policy,
                                         stop_reason=result.stop_reason, covered=budget_share(

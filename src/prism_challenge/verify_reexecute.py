@@ -110,17 +110,24 @@ def compare(m: dict[str, Any], again: dict[str, Any]) -> str:
 
 def progress(m: dict[str, Any], say: Callable[[str], Any]) -> Callable[[Any], None]:
     """An ``on_progress`` callback for the re-executed run: ``say`` a line when each of its
-    stages starts, and at every tenth of the run's batches with the bpb so far beside the
-    run's own at that batch (from the manifest's curve), so a long re-execution is never silent."""
-    from prism_challenge.events import BatchScored, StageStarted
+    stages starts, at every tenth of the run's batches with the bpb so far beside the run's own
+    at that batch (from the manifest's curve), and as each part of the audit + held-out stage
+    ends with its count beside the run's (``stage_count``), so a long re-execution is never silent."""
+    from prism_challenge.events import BatchScored, StageCount, StageStarted
 
     total = int(m["stream"]["batches"])
     marks = {max(0, round(total * i / 10) - 1) for i in range(1, 11)}
     cum_t, per = m["curve"]["cumulative_targets"], m["curve"]["nats_per_target"]
+    audit, heldout = m.get("audit") or {}, (m.get("verdict") or {}).get("heldout") or {}
+    runs_own = {"re-scored": len(audit.get("batches") or []), "blind probes": audit.get("blind_probes"),
+                "held-out batches": heldout.get("batches")}
 
     def on_event(ev: Any) -> None:
         if isinstance(ev, StageStarted):
             say(f"stage {ev.stage}")
+        elif isinstance(ev, StageCount) and ev.done is not None:
+            own = runs_own.get(ev.part)
+            say(f"stage {ev.stage}: {ev.done:,} {ev.part}" + ("" if own is None else f", the run's {own:,}"))
         elif isinstance(ev, BatchScored) and ev.batch in marks and ev.batch < total:
             nats = sum(n * (t - p) for n, t, p in zip(per[: ev.batch + 1], cum_t, [0, *cum_t]))
             run_bpb = nats / math.log(2) / m["curve"]["cumulative_bytes"][ev.batch]
