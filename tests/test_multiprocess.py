@@ -50,11 +50,16 @@ def test_rank_that_leaves_the_loop_early_fails_fast(tmp_path):
     assert o.manifest["timing"]["wall_s"] < 120  # the rank timeout, not the wall-clock watchdog
 
 
-DRIFT = SEED_LOOP.replace(
-    "    if ctx.rank == 0 and ctx.artifacts_dir:",
-    "    if ctx.rank == 1:\n        with torch.no_grad():\n            model.ln_f.weight.add_(1.0)\n"
-    "    if ctx.rank == 0 and ctx.artifacts_dir:",
-)
+def rank_1_edits_ln_f(edit: str) -> str:
+    """The seed's loop, where rank 1 alone applies ``model.ln_f.weight.<edit>`` after training."""
+    return SEED_LOOP.replace(
+        "    if ctx.rank == 0 and ctx.artifacts_dir:",
+        f"    if ctx.rank == 1:\n        with torch.no_grad():\n            model.ln_f.weight.{edit}\n"
+        "    if ctx.rank == 0 and ctx.artifacts_dir:",
+    )
+
+
+DRIFT = rank_1_edits_ln_f("add_(1.0)")
 
 
 def test_ranks_that_drift_apart_are_caught(tmp_path):
@@ -70,11 +75,7 @@ def test_ranks_that_drift_apart_are_caught(tmp_path):
     assert o.failure.kind == "submission" and o.failure.cause == ""  # 1.0 on every weight: the loop's doing
 
 
-ULP = SEED_LOOP.replace(
-    "    if ctx.rank == 0 and ctx.artifacts_dir:",
-    "    if ctx.rank == 1:\n        with torch.no_grad():\n            model.ln_f.weight.mul_(1 + 2e-7)\n"
-    "    if ctx.rank == 0 and ctx.artifacts_dir:",
-)
+ULP = rank_1_edits_ln_f("mul_(1 + 2e-7)")
 
 
 def test_ranks_that_differ_in_the_last_bits_only_are_drift_and_retryable_not_the_submissions_fault(tmp_path):
