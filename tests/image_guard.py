@@ -21,6 +21,11 @@ for _line in Path(__file__).with_name("gpu_wheels.txt").read_text().splitlines()
         _ALLOWED.add(_norm(_line.split("==")[0]))
 _DISTS = {m: {_norm(d) for d in ds} for m, ds in importlib.metadata.packages_distributions().items()}
 REFUSED: list[str] = []
+# Modules that libraries import inside a ``try`` and do without when missing, so the image runs
+# without them: refused here as there, and not reported. ``colorama``: torch's
+# ``_inductor/runtime/runtime_utils.py`` (``except ModuleNotFoundError``: plain messages); it is in
+# the venv once the ``[docs]`` extra is installed (Material needs it), as ``.ci/run`` does.
+_OPTIONAL = {"colorama"}
 
 
 class ImageGuard(importlib.abc.MetaPathFinder):
@@ -29,6 +34,8 @@ class ImageGuard(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         dists = _DISTS.get(name)
         if path is None and dists and not dists & _ALLOWED:
+            if name in _OPTIONAL:
+                raise ModuleNotFoundError(f"No module named {name!r} (not on the GPU image)", name=name)
             REFUSED.append(name)
             sys.stderr.write(f"image guard: {name} ({', '.join(sorted(dists))}) is not on the GPU image\n")
             raise ModuleNotFoundError(f"No module named {name!r} (not on the GPU image)", name=name)

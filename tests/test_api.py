@@ -175,12 +175,12 @@ def test_every_stage_the_harness_fails_at_is_in_the_table():
         kind_of(stage)
 
 
-def test_the_readme_has_the_table_of_stages_and_kinds():
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- failure-kinds:start -->\n(.*?)\n<!-- failure-kinds:end -->", readme, re.S)
-    assert m, "README.md: the failure kinds table's markers are missing"
+def test_the_docs_have_the_table_of_stages_and_kinds():
+    page = (ROOT / "docs" / "library.md").read_text()
+    m = re.search(r"<!-- failure-kinds:start -->\n(.*?)\n<!-- failure-kinds:end -->", page, re.S)
+    assert m, "docs/library.md: the failure kinds table's markers are missing"
     assert m.group(1) == markdown_table(), (
-        "README.md's table of stages and kinds differs from prism_challenge.failures.FAILURE_KINDS; paste "
+        "docs/library.md's table of stages and kinds differs from prism_challenge.failures.FAILURE_KINDS; paste "
         "the output of `python -c 'from prism_challenge.failures import markdown_table; print(markdown_table())'`")
 
 

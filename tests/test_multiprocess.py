@@ -93,6 +93,6 @@ def test_ranks_that_differ_in_the_last_bits_only_are_drift_and_retryable_not_the
                                           (["--nnodes", "2"], "single node")])
 def test_bad_layouts_are_refused_before_anything_runs(tmp_path, capsys, argv, needle):
     out = tmp_path / "never"
-    assert main(["eval", str(EXAMPLE), "--out", str(out), *argv]) == 2  # a bad command line exits 2 (README: exit codes)
+    assert main(["eval", str(EXAMPLE), "--out", str(out), *argv]) == 2  # a bad command line exits 2 (docs/researcher.md: exit codes)
     assert needle in capsys.readouterr().err
     assert not out.exists()

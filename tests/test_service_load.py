@@ -7,8 +7,8 @@ nothing left non-final; the watchdog empty at every poll; each stored score the 
 manifest of the bundle that was sent, and each score what ``evaluate()`` gives run directly.
 
 ``N`` is ``PRISM_LOAD_SUBMISSIONS``, by default the issue's 50 on each database, in CI too: about
-4.7 min per database on 2 cores, two evaluations at a time (the README's *The fleet suite's
-time* gives the measured figures); a smaller ``N`` (``PRISM_LOAD_SUBMISSIONS=6``) is for a quick
+4.7 min per database on 2 cores, two evaluations at a time (docs/fleet.md, *The fleet suite's
+time*, gives the measured figures); a smaller ``N`` (``PRISM_LOAD_SUBMISSIONS=6``) is for a quick
 look."""
 
 from __future__ import annotations
