@@ -29,7 +29,7 @@ deterministic models) the difference is exact: ``p = 0`` if the challenger's mea
 else ``p = 1``; copies of one deterministic model tie and the earlier keeps the crown.
 
 The false-displacement rate of the rule under the measured seed noise is ``bench/crown_noise.py``'s
-figure (README, "The crown rule").
+figure (docs/how-a-run-works.md, "The crown rule").
 """
 
 from __future__ import annotations

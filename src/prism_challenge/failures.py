@@ -13,7 +13,7 @@ kinds, the cause) to its kind:
 A failure the runner reports from inside a rank is always ``submission``, whatever stage it
 names (cause :data:`REPORTED`): that report comes from the submission's own process, so a
 bundle that got past the gate could name any stage, and must not earn a retry by naming
-``data``. The README's table of stages and kinds is generated from this table
+``data``. The table of stages and kinds in docs/library.md is generated from this table
 (:func:`markdown_table`; a test checks that they agree).
 """
 
@@ -48,7 +48,7 @@ class StageKind:
         stage: the failure's ``stage`` (:data:`ANY_STAGE` for a row keyed by cause alone).
         cause: the failure's ``cause``, or :data:`ANY_CAUSE` for every other cause.
         kind: ``submission``, ``infrastructure`` or ``cancelled``.
-        meaning: what fails there, in words (the README's table).
+        meaning: what fails there, in words (docs/library.md's table).
     """
 
     stage: str
@@ -124,7 +124,7 @@ def retryable(kind: str) -> bool:
 
 
 def markdown_table() -> str:
-    """:data:`FAILURE_KINDS` as the README's Markdown table (stage, cause, kind, meaning)."""
+    """:data:`FAILURE_KINDS` as docs/library.md's Markdown table (stage, cause, kind, meaning)."""
     lines = ["| stage | cause | kind | what failed |", "|---|---|---|---|"]
     for row in FAILURE_KINDS:
         stage = "any" if row.stage == ANY_STAGE else f"`{row.stage}`"

@@ -57,7 +57,7 @@ remedy for a correlated series). Measured (``bench/gap_noise.py`` on the FineWeb
 +0.57 and ``se(block 4) / se(block 1)`` is 1.7 to 1.8, so the per-batch val SE understates by
 about 1.8x at these shapes. :data:`DEFAULT_BLOCK` is still 1 (so ``z = 4`` acts as about 2.2
 on a val-dominated SE): blocks of 4 leave 2 units of a 60 kB GPT-2 val prefix; a val block of 4
-at the official 1 MB (about 125 batches) is the change to make next (README, open items). The
+at the official 1 MB (about 125 batches) is the change to make next. The
 tail's learning trend also lands in its residuals, which only widens its SE (an honest model's
 final weights beat its tail, so the gap is then negative).
 
@@ -67,7 +67,7 @@ the SE does not see (the split's documents are not a random sample of batches; t
 scored the tail are not the final one). Measured honest z-scores (``gap / se_gap``): +1.21,
 +1.51 and -0.85 at 40 kB of stream (the two GPT-2 bundles' gaps were +0.50 bpb there, over a
 tail of one batch: the old fixed 0.5 bpb flagged the example), +0.43 and +0.38 at 160 kB; a
-memorizer's +4.10 (gap 0.24 bpb) and +28.7 (gap 2.46 bpb), both flagged (README).
+memorizer's +4.10 (gap 0.24 bpb) and +28.7 (gap 2.46 bpb), both flagged (docs/how-a-run-works.md).
 """
 
 from __future__ import annotations

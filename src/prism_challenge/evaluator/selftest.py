@@ -213,7 +213,7 @@ def require(*, cached: bool) -> None:
     if escaped:
         raise SelfTestFailed(f"the sandbox self-test failed: the probe{'s' if len(escaped) > 1 else ''} "
                              f"{', '.join(repr(n) for n in escaped)} got out of the sandbox; this host cannot "
-                             "confine submissions (see the README, Isolation: the self-test)", escaped)
+                             "confine submissions (see docs/threat-model.md, Self-test)", escaped)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"passed": list(PROBES)}) + "\n")

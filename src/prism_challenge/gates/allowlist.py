@@ -12,7 +12,7 @@ reason. A group lists any of:
   ``opt.step``, ``ctx.vocab_size``, ``"".join``), besides the names it defines itself.
 
 The sandbox (:mod:`prism_challenge.gates.sandbox`) refuses everything else as
-``prism:not-allowlisted``. How to add an entry, and what to check first: see the README,
+``prism:not-allowlisted``. How to add an entry, and what to check first: see docs/contract.md,
 "The static gate's allow-list".
 """
 

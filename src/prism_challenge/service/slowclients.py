@@ -7,7 +7,7 @@ that opens a connection and sends one header byte every few seconds holds it, an
 protocol close a connection whose next request head has not fully arrived ``seconds`` after the
 connection opened or after the previous response ended. A request's body has its own deadline
 (``body_timeout_s``, :func:`prism_challenge.service.routes.submit.read_body`); a reverse proxy in
-front (README, *Behind a reverse proxy*) adds its own.
+front (docs/operator.md, *Behind a reverse proxy*) adds its own.
 """
 
 from __future__ import annotations
