@@ -87,4 +87,5 @@ def test_a_submodule_missing_from_an_installed_service_package_is_raised_not_cal
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
     r = _prism(env, "fleet", "status", "--db", f"sqlite:///{tmp_path / 'db.sqlite3'}", cwd=tmp_path)
     assert r.returncode == 1 and "needs the service extra" not in r.stderr
-    assert r.stderr.rstrip().splitlines()[-1] == "ModuleNotFoundError: No module named 'sqlalchemy.missing_part'"
+    last = r.stderr.rstrip().splitlines()[-1]
+    assert last == "ModuleNotFoundError: No module named 'sqlalchemy.missing_part'"

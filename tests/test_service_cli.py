@@ -209,7 +209,8 @@ def test_a_confirmed_submission_reads_as_runs_and_their_mean_not_as_attempt_3_of
 def test_a_submission_rejected_in_a_later_run_shows_its_runs_bpb_but_no_mean():
     from prism_challenge.cli_service import _show
 
-    runs = [{"run": 0, "status": "scored", "prequential_bpb": 4.0}, {"run": 1, "status": "scored", "prequential_bpb": 4.1},
+    runs = [{"run": 0, "status": "scored", "prequential_bpb": 4.0},
+            {"run": 1, "status": "scored", "prequential_bpb": 4.1},
             {"run": 2, "status": "rejected", "prequential_bpb": None}]
     view = {"id": 7, "status": "rejected", "attempts": 3, "max_attempts": 5, "runs_wanted": 3, "runs": runs,
             "scores": None, "failure": {"stage": "contract", "kind": "submission", "message": "no batch was scored"}}
