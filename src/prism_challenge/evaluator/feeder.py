@@ -649,6 +649,8 @@ class Feeder:
         nats = header.get("nats")
         if not isinstance(nats, (int, float)) or isinstance(nats, bool):
             nats = math.nan  # missing or not a number: charged as non-finite
+        elif isinstance(nats, int) and abs(nats) > 2**1023:  # JSON's integers are unbounded, float's are not:
+            nats = math.inf if nats > 0 else -math.inf  # charged as non-finite, not an OverflowError read as "data"
         if nats < 0:
             raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
         audited = self._audited(pending["step"])
@@ -767,7 +769,9 @@ class Feeder:
         with self._lock:
             if len(self.result.done) < self.world_size:
                 return
-            digests = {r: d.get("state_sha256") for r, d in self.result.done.items()}
+            # a digest that is neither a string nor absent (a JSON list: unhashable) agrees with no other rank's
+            digests = {r: dg if isinstance(dg := d.get("state_sha256"), (str, type(None))) else ("malformed", r)
+                       for r, d in self.result.done.items()}
         groups: dict[Any, list[int]] = {}
         for r, dg in sorted(digests.items()):
             groups.setdefault(dg, []).append(r)

@@ -197,9 +197,8 @@ def check_frame(header: dict, payload: bytes | bytearray | memoryview) -> tuple[
         StateError: bad name, dtype or shape, or a payload of the wrong size.
     """
     name, dtype, shape = header.get("name"), header.get("dtype"), header.get("shape")
-    if not isinstance(name, str) or dtype not in DTYPES or not isinstance(shape, list) or not all(
-        isinstance(s, int) and s >= 0 for s in shape
-    ):
+    if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in DTYPES or not isinstance(shape, list) \
+            or not all(type(s) is int and s >= 0 for s in shape):  # a JSON true is no dimension
         raise StateError(f"malformed state frame header {str(header)[:200]}")
     dt = DTYPES[dtype]
     numel = 1
