@@ -68,3 +68,13 @@ def test_state_frames_with_a_list_dtype_or_a_true_dimension_are_the_ranks_protoc
         res = f.finish()
         assert res.error["stage"] == "runner" and "malformed state frame header" in res.error["message"], res.error
         assert _kind(res) == "submission"
+
+
+def test_a_request_for_an_infinite_batch_is_the_ranks_protocol_error(tmp_path):
+    f = make_feeder(tmp_path)
+    r = FakeRunner(f)
+    protocol.send(r.sock, Kind.NEXT, {"batch_size": math.inf, "seq_len": 10})  # JSON Infinity: int() overflows
+    assert f.failed.wait(5)
+    res = f.finish()
+    assert res.error["stage"] == "runner" and "NEXT needs integer batch_size and seq_len" in res.error["message"]
+    assert _kind(res) == "submission"

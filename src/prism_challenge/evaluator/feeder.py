@@ -541,7 +541,7 @@ class Feeder:
             raise ProtocolError(f"rank {st.rank} asked for batch {st.step} while batch {st.step - 1} was still unread")
         try:
             b, t = int(header["batch_size"]), int(header["seq_len"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity)
             raise ProtocolError("NEXT needs integer batch_size and seq_len") from None
         if not (b >= 1 and 2 <= t <= self._max_seq_len and b * t <= protocol.MAX_BATCH_TOKENS):
             raise ProtocolError(f"rank {st.rank} asked for batches of {b} x {t} tokens: batch_size must be >= 1, "
