@@ -78,3 +78,29 @@ def test_a_request_for_an_infinite_batch_is_the_ranks_protocol_error(tmp_path):
     res = f.finish()
     assert res.error["stage"] == "runner" and "NEXT needs integer batch_size and seq_len" in res.error["message"]
     assert _kind(res) == "submission"
+
+
+def test_a_forged_done_header_keeps_the_manifests_types_and_an_honest_one_is_kept_whole(tmp_path):
+    from prism_challenge.evaluator.donereport import clean_done
+    from prism_challenge.evaluator.gpu import peak_memory
+    from prism_challenge.results import ModelInfo
+
+    honest = {**peak_memory(), "device_name": "cpu (x86_64)", "phases": {"staging": 0.5, "batches": 3},
+              "parameter_count": 1234, "state_sha256": "0f" * 32, "state_tensors": {"w": "ab" * 32},
+              "state_moments": {"w": [1.0, 2.0, 3.0, 4.0]}}
+    assert clean_done(honest) == honest
+    forged = {"peak_rss_bytes": -1, "peak_device_bytes": True, "device_name": ["x"], "parameter_count": [1],
+              "state_sha256": "not hex", "phases": [1], "state_tensors": "x", "extra": {"a": 1}}
+    f = make_feeder(tmp_path)
+    r = FakeRunner(f)
+    r.next(4, 10)
+    r.record(0, 1.0)
+    protocol.send(r.sock, Kind.EVENT, {"event": "left", "batches": 1})
+    protocol.send(r.sock, Kind.DONE, forged)
+    assert wait_done(f)
+    done = f.finish().done[0]
+    assert done == {"peak_rss_bytes": None, "peak_device_bytes": None, "device_name": None, "parameter_count": None,
+                    "state_sha256": None, "phases": None, "state_tensors": None}
+    # what the manifest's model then accepts (it refused "not hex": an exception out of evaluate())
+    ModelInfo.model_validate({"parameter_count": done["parameter_count"], "state_sha256": done["state_sha256"],
+                              "state_sha256_per_rank": {"0": done["state_sha256"]}, "state_path": None})

@@ -39,6 +39,7 @@ import numpy as np
 from prism_challenge.data.stream import TokenChunk
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, is_audited
+from prism_challenge.evaluator.donereport import clean_done
 from prism_challenge.evaluator.instrument import charge
 from prism_challenge.evaluator.protocol import Kind, ProtocolError
 from prism_challenge.evaluator.snapshots import AuditedStep, SnapshotStore
@@ -723,6 +724,7 @@ class Feeder:
             raise SnapshotDiskError(store.expected, exc, store.outgrew_fp32()) from None
 
     def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
+        header = clean_done(header)  # the rank's word: known fields of the right types only
         with self._lock:
             st.done = header
             self.result.done[st.rank] = header
