@@ -76,3 +76,16 @@ def test_a_service_command_without_the_extra_names_the_install_in_one_line(plain
     line = r.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith(f"prism {argv[0]}: needs the service extra (") and "pip install 'prism-challenge[service]'" in line
+
+
+def test_a_submodule_missing_from_an_installed_service_package_is_raised_not_called_a_plain_install(tmp_path):
+    # sqlalchemy is installed, but broken: its __init__ imports a submodule that is not there (a
+    # half-upgraded install). "pip install the service extra" would not fix it; the real error must show
+    shadow = tmp_path / "broken"
+    (shadow / "sqlalchemy").mkdir(parents=True)
+    (shadow / "sqlalchemy" / "__init__.py").write_text("import sqlalchemy.missing_part\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
+    r = _prism(env, "fleet", "status", "--db", f"sqlite:///{tmp_path / 'db.sqlite3'}", cwd=tmp_path)
+    assert r.returncode == 1 and "needs the service extra" not in r.stderr
+    last = r.stderr.rstrip().splitlines()[-1]
+    assert last == "ModuleNotFoundError: No module named 'sqlalchemy.missing_part'"

@@ -204,3 +204,16 @@ def test_a_confirmed_submission_reads_as_runs_and_their_mean_not_as_attempt_3_of
     assert _show(done) == ("submission 7: completed (3 of 3 runs, 3 attempt(s) in all)  prequential_bpb 4.1333 ± "
                            "0.1528 (mean ± std of the runs: 4.0000, 4.1000, 4.3000)")
     assert _show({**view, "status": "pending", "runs": []}) == "submission 7: pending (run 1 of 3, 2 attempt(s) in all)"
+
+
+def test_a_submission_rejected_in_a_later_run_shows_its_runs_bpb_but_no_mean():
+    from prism_challenge.cli_service import _show
+
+    runs = [{"run": 0, "status": "scored", "prequential_bpb": 4.0},
+            {"run": 1, "status": "scored", "prequential_bpb": 4.1},
+            {"run": 2, "status": "rejected", "prequential_bpb": None}]
+    view = {"id": 7, "status": "rejected", "attempts": 3, "max_attempts": 5, "runs_wanted": 3, "runs": runs,
+            "scores": None, "failure": {"stage": "contract", "kind": "submission", "message": "no batch was scored"}}
+    # rejected: on no leaderboard, so no mean ± std is printed as if it were the submission's figure
+    assert _show(view) == ("submission 7: rejected (3 of 3 runs, 3 attempt(s) in all)  prequential_bpb of the runs "
+                           "scored (on no leaderboard): 4.0000, 4.1000  [contract, submission] no batch was scored")

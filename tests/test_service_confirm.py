@@ -175,6 +175,25 @@ def test_the_api_shows_a_seed_only_once_its_run_ended(tmp_path):
         assert "<h2>Scores of the last scored run</h2>" in sub_page and "2.300000" in sub_page
 
 
+def test_a_submission_rejected_in_its_last_run_is_not_shown_as_on_the_leaderboard(tmp_path):
+    with live_server(tmp_path) as (base, app):
+        store = app.state.store
+        sid = store.submit(KEYS[0], "ef" * 32, profile=app.state.profile.name)
+        for result in (scored(2.0), scored(2.5)):
+            claim = store.claim(sid)
+            store.record(claim.token, result, policy_of=lambda _n: POLICY)
+        page = httpx.get(f"{base}/submissions/{sid}", timeout=60).text
+        assert "mean ± std of 2 runs (the leaderboard's, provisional)" in page  # run 3 to come: on the board
+        claim = store.claim(sid)
+        store.record(claim.token, failure_result(EvalFailure("contract", "no batch was scored")),
+                     policy_of=lambda _n: POLICY)
+        assert httpx.get(f"{base}/v1/submissions/{sid}").json()["status"] == "rejected"
+        assert httpx.get(f"{base}/v1/leaderboard").json()["entries"] == []
+        page = httpx.get(f"{base}/submissions/{sid}", timeout=60).text
+        assert "the leaderboard's" not in page
+        assert "mean ± std of 2 runs (on no leaderboard: the submission is rejected)" in page
+
+
 def test_the_profile_sets_the_confirmation_knobs_as_integers(tmp_path):
     from prism_challenge.profiles import ProfileError, load_profile
 

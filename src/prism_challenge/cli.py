@@ -57,12 +57,14 @@ needs one of them on a plain install says which install to run."""
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``prism`` console script; returns the exit code (2 when the command
-    needs the ``[service]`` extra and it is not installed)."""
+    needs the ``[service]`` extra and it is not installed: a top-level module of
+    :data:`SERVICE_EXTRA_MODULES` is missing; a missing submodule of one, ``ray.util.x``, is a
+    broken install or a bug, and is raised as it is)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in SERVICE_EXTRA_MODULES:
+        if exc.name not in SERVICE_EXTRA_MODULES:  # a submodule missing from an installed package: a real bug
             raise
         sys.stderr.write(f"prism {args.command}: needs the service extra ({exc.name} is not installed): "
                          "pip install 'prism-challenge[service]' (from a checkout: pip install -e '.[service]')\n")

@@ -133,7 +133,8 @@ def _show(view: dict) -> str:
     """One line for a submission's view: its status and attempt, and once scored its bpb. A
     submission confirmed by several runs (``runs_wanted`` > 1) names the run under way and the
     bpb of each run scored so far; once completed, their mean with the sample standard deviation
-    (the leaderboard's ``prequential_bpb`` and ``bpb_std``)."""
+    (the leaderboard's ``prequential_bpb`` and ``bpb_std``). A submission rejected or failed in a
+    later run shows its scored runs' bpb, never a mean: it is on no leaderboard."""
     import statistics
 
     from prism_challenge.service.client import FINAL
@@ -149,11 +150,11 @@ def _show(view: dict) -> str:
         line = f"submission {view['id']}: {view['status']} ({where}, {view['attempts']} attempt(s) in all)"
         bpbs = [r["prequential_bpb"] for r in runs if r.get("status") == "scored" and r.get("prequential_bpb") is not None]
         each = ", ".join(f"{b:.4f}" for b in bpbs)
-        if final and len(bpbs) > 1:
+        if view["status"] == "completed" and len(bpbs) > 1:
             line += (f"  prequential_bpb {statistics.fmean(bpbs):.4f} ± {statistics.stdev(bpbs):.4f} "
                      f"(mean ± std of the runs: {each})")
-        elif bpbs:
-            line += f"  prequential_bpb of the runs so far: {each}"
+        elif bpbs:  # a rejected or failed submission has no mean: it is on no leaderboard
+            line += f"  prequential_bpb of the runs {'scored (on no leaderboard)' if final else 'so far'}: {each}"
     if view.get("failure"):
         f = view["failure"]
         rule = f" {f['rule']}" if f.get("rule") else ""

@@ -39,6 +39,7 @@ import numpy as np
 from prism_challenge.data.stream import TokenChunk
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, is_audited
+from prism_challenge.evaluator.donereport import clean_done
 from prism_challenge.evaluator.instrument import charge
 from prism_challenge.evaluator.protocol import Kind, ProtocolError
 from prism_challenge.evaluator.snapshots import AuditedStep, SnapshotStore
@@ -541,7 +542,7 @@ class Feeder:
             raise ProtocolError(f"rank {st.rank} asked for batch {st.step} while batch {st.step - 1} was still unread")
         try:
             b, t = int(header["batch_size"]), int(header["seq_len"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity)
             raise ProtocolError("NEXT needs integer batch_size and seq_len") from None
         if not (b >= 1 and 2 <= t <= self._max_seq_len and b * t <= protocol.MAX_BATCH_TOKENS):
             raise ProtocolError(f"rank {st.rank} asked for batches of {b} x {t} tokens: batch_size must be >= 1, "
@@ -649,6 +650,8 @@ class Feeder:
         nats = header.get("nats")
         if not isinstance(nats, (int, float)) or isinstance(nats, bool):
             nats = math.nan  # missing or not a number: charged as non-finite
+        elif isinstance(nats, int) and abs(nats) > 2**1023:  # JSON's integers are unbounded, float's are not:
+            nats = math.inf if nats > 0 else -math.inf  # charged as non-finite, not an OverflowError read as "data"
         if nats < 0:
             raise ProtocolError(f"rank {st.rank} reported a negative code length ({nats} nats) for batch {pending['step']}")
         audited = self._audited(pending["step"])
@@ -721,6 +724,7 @@ class Feeder:
             raise SnapshotDiskError(store.expected, exc, store.outgrew_fp32()) from None
 
     def _on_done(self, st: RankState, header: dict[str, Any]) -> None:
+        header = clean_done(header)  # the rank's word: known fields of the right types only
         with self._lock:
             st.done = header
             self.result.done[st.rank] = header
@@ -767,7 +771,9 @@ class Feeder:
         with self._lock:
             if len(self.result.done) < self.world_size:
                 return
-            digests = {r: d.get("state_sha256") for r, d in self.result.done.items()}
+            # a digest that is neither a string nor absent (a JSON list: unhashable) agrees with no other rank's
+            digests = {r: dg if isinstance(dg := d.get("state_sha256"), (str, type(None))) else ("malformed", r)
+                       for r, d in self.result.done.items()}
         groups: dict[Any, list[int]] = {}
         for r, dg in sorted(digests.items()):
             groups.setdefault(dg, []).append(r)

@@ -52,7 +52,8 @@ from prism_challenge.evaluator.phases import PhaseClock
 from prism_challenge.evaluator.reporter import Reporter, defer
 from prism_challenge.evaluator.snapfile import exact_view
 from prism_challenge.evaluator.staging import Staging
-from prism_challenge.evaluator.statedict import cpu_state, frames, state_digests, state_moments, uncompiled
+from prism_challenge.evaluator.statedict import (cpu_state, frames, state_digests, state_moments,
+                                                 tensors_header_bytes, uncompiled)
 from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
@@ -62,7 +63,7 @@ ENV_TOKEN = "PRISM_FEEDER_TOKEN"
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
 DRAIN_TIMEOUT_S = 60.0  # the feeder's answer to the last record is sent at once; this bounds a lost one
-TENSOR_DIGESTS_MAX_BYTES = 256 << 10  # a DONE header's per-tensor digests (ranks > 1), well under MAX_HEADER
+TENSOR_DIGESTS_MAX_BYTES = 512 << 10  # a DONE header's per-tensor digests and moments (ranks > 1), under MAX_HEADER
 PLAIN_TENSORS = (torch.Tensor, nn.Parameter, *((nn.Buffer,) if hasattr(nn, "Buffer") else ()))
 """The types a scored model's ``state_dict`` entries may have for the audit's snapshot."""
 
@@ -400,7 +401,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
                 return 1
             state = cpu_state(model)
             done["state_sha256"], each = state_digests(state)
-            if world_size > 1 and sum(len(k) + 72 for k in each) <= TENSOR_DIGESTS_MAX_BYTES:
+            if world_size > 1 and tensors_header_bytes(each) <= TENSOR_DIGESTS_MAX_BYTES:
                 done["state_tensors"] = each  # names the tensors ranks disagree on (feeder._check_states)
                 done["state_moments"] = state_moments(state)  # tells drift in the last bits from a real split
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation

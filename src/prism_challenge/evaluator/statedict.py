@@ -9,7 +9,10 @@ side compares them to catch ranks that drifted apart.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import math
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -84,25 +87,63 @@ def state_digests(state: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str
     return whole.hexdigest(), each
 
 
+SIGNS_PERIOD = 4096
+"""The length of the fixed pseudo-random ``+-1`` pattern that :func:`state_moments` tiles over
+a flattened tensor for its signed sum."""
+
+
+@functools.lru_cache(maxsize=1)
+def _signs() -> torch.Tensor:
+    """:data:`SIGNS_PERIOD` float64 values, each ``+1`` or ``-1``, the same in every process (a
+    fixed generator seed: a rank and its peers compute the same signed sums)."""
+    bits = torch.randint(0, 2, (SIGNS_PERIOD,), generator=torch.Generator().manual_seed(27))
+    return bits.to(torch.float64) * 2 - 1
+
+
+def signed_sum(x: torch.Tensor) -> float:
+    """``sum_i s[i % SIGNS_PERIOD] * x_i`` over the flattened float64 tensor ``x`` (``s``:
+    :func:`_signs`). For two tensors differing by ``d``, the signed sums differ by about
+    ``||d||_2`` (a random +-1 projection keeps the norm: Johnson-Lindenstrauss, one
+    dimension), where plain sums of a difference with mixed signs cancel to ``~||d||_2`` but
+    are compared to ``sum |x|``, ``sqrt(n)`` times larger."""
+    flat, s = x.reshape(-1), _signs()
+    full = flat.numel() // SIGNS_PERIOD * SIGNS_PERIOD
+    head = float((flat[:full].view(-1, SIGNS_PERIOD) @ s).sum()) if full else 0.0
+    return head + float((flat[full:] * s[: flat.numel() - full]).sum())
+
+
 def state_moments(state: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
-    """``name -> [sum, sum of |x|]`` of every floating-point tensor, both in float64 (a tensor
-    of ``n`` elements gives two numbers). Two ranks whose digests differ but whose moments agree
-    to :data:`DRIFT_RTOL` of the sum of ``|x|`` differ in the last bits only
-    (:func:`drift_only`); integer and bool tensors have none (any difference there is real)."""
+    """``name -> [sum, sum of |x|, sum of x**2, signed sum]`` of every floating-point tensor,
+    all in float64 (:func:`signed_sum`; a tensor of ``n`` elements gives four numbers). Two
+    ranks whose digests differ but whose moments agree to :data:`DRIFT_RTOL` (:func:`drift_only`)
+    differ in their last bits only; integer and bool tensors have none (any difference there
+    is real)."""
     out = {}
     for name in sorted(state):
         t = state[name]
         if t.is_floating_point() and t.numel():
             x = t.detach().to(torch.float64)
-            out[name] = [float(x.sum()), float(x.abs().sum())]
+            flat = x.reshape(-1)
+            out[name] = [float(x.sum()), float(x.abs().sum()), float(torch.dot(flat, flat)), signed_sum(x)]
     return out
 
 
+def tensors_header_bytes(names: Iterable[str]) -> int:
+    """At most how many bytes a DONE header's ``state_tensors`` and ``state_moments`` take for
+    the tensors ``names`` (compact JSON, :mod:`~prism_challenge.evaluator.protocol`): per name,
+    its JSON string twice (``json.dumps``: a non-ASCII character takes up to 12 bytes), with
+    ``:"<64 hex digits>",`` (68 bytes) and ``:[f,f,f,f],`` (four floats of at most 24
+    characters, ``-2.2250738585072014e-308``: 102 bytes), and a few spare."""
+    return sum(2 * len(json.dumps(k)) + 176 for k in names)
+
+
 DRIFT_RTOL = 1e-4
-"""How far two ranks' moments of one tensor may lie apart, relative to its sum of ``|x|``, and
-still count as drift in the last bits (:func:`drift_only`). A float32 rounding difference in one
-step, carried through a short run, moves them by about 1e-7; a rank that trained on other data,
-or skipped a step, by far more than 1e-4."""
+"""How far two ranks' moments of one tensor may lie apart and still count as drift in the last
+bits (:func:`drift_only`): the sums relative to the sum of ``|x|``, the signed sums relative to
+the L2 norm (so about the relative L2 distance of the two tensors). A float32 rounding
+difference in one step, carried through a short run, moves them by about 1e-7; ranks that
+trained on other data (a loop without DDP), or skipped a step, by far more than 1e-4, however
+large the tensor."""
 
 
 def drift_only(a: Mapping[str, str], b: Mapping[str, str], ma: Mapping[str, list[float]],
@@ -112,20 +153,22 @@ def drift_only(a: Mapping[str, str], b: Mapping[str, str], ma: Mapping[str, list
 
     ``a``, ``b``: name -> per-tensor digest (:func:`state_digests`); ``ma``, ``mb``: name ->
     moments (:func:`state_moments`). True when both name the same tensors and every tensor
-    whose digest differs is floating-point on both sides with each moment within
-    ``DRIFT_RTOL * max(sum |x|)`` of the other's. False for anything else (a tensor only one rank
-    has, an integer tensor that differs, moments missing or malformed)."""
+    whose digest differs is floating-point on both sides with its sums within
+    ``DRIFT_RTOL * max(sum |x|)`` and its signed sums within ``DRIFT_RTOL * max(||x||_2)`` of
+    the other's. False for anything else (a tensor only one rank has, an integer tensor that
+    differs, moments missing, malformed or not finite)."""
     if set(a) != set(b):
         return False, float("inf")
     worst = 0.0
     for name in (n for n in a if a[n] != b[n]):
         x, y = ma.get(name), mb.get(name)
-        if not (isinstance(x, list) and isinstance(y, list) and len(x) == len(y) == 2):
+        if not (isinstance(x, list) and isinstance(y, list) and len(x) == len(y) == 4):
             return False, float("inf")
         try:
-            scale = max(abs(float(x[1])), abs(float(y[1])), 1e-30)
-            rel = max(abs(float(p) - float(q)) for p, q in zip(x, y)) / scale
-        except (TypeError, ValueError):
+            (s1, a1, q1, p1), (s2, a2, q2, p2) = ([float(v) for v in m] for m in (x, y))
+            rel = max(max(abs(s1 - s2), abs(a1 - a2)) / max(abs(a1), abs(a2), 1e-30),
+                      abs(p1 - p2) / max(math.sqrt(abs(q1)), math.sqrt(abs(q2)), 1e-30))
+        except (TypeError, ValueError, OverflowError):
             return False, float("inf")
         if not rel <= DRIFT_RTOL:  # NaN: not drift
             return False, float("inf") if rel != rel else rel
@@ -154,9 +197,8 @@ def check_frame(header: dict, payload: bytes | bytearray | memoryview) -> tuple[
         StateError: bad name, dtype or shape, or a payload of the wrong size.
     """
     name, dtype, shape = header.get("name"), header.get("dtype"), header.get("shape")
-    if not isinstance(name, str) or dtype not in DTYPES or not isinstance(shape, list) or not all(
-        isinstance(s, int) and s >= 0 for s in shape
-    ):
+    if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in DTYPES or not isinstance(shape, list) \
+            or not all(type(s) is int and s >= 0 for s in shape):  # a JSON true is no dimension
         raise StateError(f"malformed state frame header {str(header)[:200]}")
     dt = DTYPES[dtype]
     numel = 1
