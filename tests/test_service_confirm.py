@@ -83,7 +83,9 @@ def test_a_top_run_is_confirmed_on_fresh_seeds_each_run_fenced_and_retried(store
     assert [(a.number, a.run_index, a.outcome) for a in attempts] == [
         (1, 0, "completed"), (2, 1, "retry"), (3, 1, "retry"), (4, 1, "completed"), (5, 2, "completed")]
     seeds = [a.seed for a in attempts]
-    assert len(set(seeds)) == 5 and not {1234, 77} & set(seeds)
+    # one seed per run, drawn by its first attempt: the retries of run 1 run on its seed, not a re-roll
+    assert seeds[1] == seeds[2] == seeds[3] and len({seeds[0], seeds[1], seeds[4]}) == 3
+    assert not {1234, 77} & set(seeds)
     runs = store.runs_of(sid)
     assert [(r.run_index, r.prequential_bpb) for r in runs] == [(0, 2.0), (1, 2.1), (2, 2.2)]
     assert [r.seed for r in runs] == [seeds[0], seeds[3], seeds[4]]  # each run's seed is its scoring attempt's
@@ -92,6 +94,27 @@ def test_a_top_run_is_confirmed_on_fresh_seeds_each_run_fenced_and_retried(store
     assert entry.bpbs == (2.0, 2.1, 2.2) and not entry.provisional
     assert entry.prequential_bpb == pytest.approx(2.1, abs=1e-15)
     assert entry.bpb_std == pytest.approx(0.1, rel=1e-12)  # sqrt(((-.1)^2 + 0 + .1^2) / 2)
+
+
+def test_a_retried_run_keeps_its_seed_secret_until_the_run_ends(tmp_path):
+    # ranks that drift apart in their last bits fail as infrastructure and are retried: the
+    # retry must not draw a new seed (a loop that saw a bad seed could provoke drift for a
+    # re-roll), and the seed of the failed attempt, the live run's, stays hidden until it ends
+    drift = failure_result(EvalFailure("consistency", "the ranks' final states differ in their last bits only",
+                                       cause="drift"))
+    assert drift.kind == "infrastructure"
+    with live_server(tmp_path) as (base, app):
+        store = app.state.store
+        sid = store.submit(KEYS[0], "ab" * 32, profile=app.state.profile.name)
+        first = store.claim(sid)
+        assert store.record(first.token, drift).status == "pending"
+        again = store.claim(sid)
+        assert (again.seed, again.run_index) == (first.seed, 0)
+        view = httpx.get(f"{base}/v1/submissions/{sid}").json()
+        assert [h["seed"] for h in view["history"]] == [None, None] and str(first.seed) not in json.dumps(view)
+        store.record(again.token, scored(2.0), policy_of=lambda _n: replace(POLICY, confirm_top_n=0))
+        view = httpx.get(f"{base}/v1/submissions/{sid}").json()
+        assert view["status"] == "completed" and [h["seed"] for h in view["history"]] == [first.seed] * 2
 
 
 def test_a_confirmation_run_that_keeps_failing_fails_the_submission(store):

@@ -1,8 +1,10 @@
 """Secret seeds and confirmation at the top (issue 29, items 1-2).
 
-**Seeds.** Every attempt of a service run gets its own seed, drawn by :func:`draw_seed` from
-:mod:`secrets` when the attempt is claimed, stored on its ``attempts`` row and shown only once
-the attempt has ended (its run's manifest records it; ``GET /v1/submissions/{id}`` lists it).
+**Seeds.** Every service run gets its own seed, drawn by :func:`draw_seed` from :mod:`secrets`
+when the run's first attempt is claimed, and reused by the run's retries (an infrastructure
+failure the submission could provoke, such as ranks that drift apart in their last bits, must
+not buy it another seed). The seed is stored on each ``attempts`` row and shown only once its
+run has ended (its run's manifest records it; ``GET /v1/submissions/{id}`` lists it).
 A profile's public seed is the local default of ``prism eval``: never a service run's. With the
 revealed seed, ``prism eval --profile P --seed S`` on the same bundle and data repeats the run's
 bpb to the last bit. A submitter who tries variants locally against the public seed learns

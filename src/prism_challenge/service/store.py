@@ -242,9 +242,10 @@ class Store:
     def claim(self, submission_id: int | None = None, *, worker: str | None = None,
               public_seeds: Collection[int] = ()) -> Claim | None:
         """Take a ``pending`` submission (``submission_id``, or the oldest whose backoff is over)
-        for evaluation: ``running``, one more attempt with a fresh fencing token and a fresh
-        secret seed (:func:`~prism_challenge.service.confirm.draw_seed`, never one of
-        ``public_seeds``: the profiles' public seeds), of the submission's next run. ``None``
+        for evaluation: ``running``, one more attempt with a fresh fencing token, of the
+        submission's next run, on that run's secret seed: drawn by the run's first attempt
+        (:func:`~prism_challenge.service.confirm.draw_seed`, never one of ``public_seeds``: the
+        profiles' public seeds) and reused by its retries. ``None``
         when there is none (or another worker took it).
 
         On PostgreSQL the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent
@@ -280,9 +281,13 @@ class Store:
                 number, base = s.execute(select(Submission.attempts, Submission.run_base)
                                          .where(Submission.id == sid)).one()
                 index = s.scalar(select(func.count()).select_from(Run).where(Run.submission_id == sid))
+                # a run's seed is drawn once, by its first attempt; its retries reuse it, so a
+                # failure the submission could provoke (kind infrastructure, retried) re-rolls nothing
+                seed = s.scalar(select(Attempt.seed).where(Attempt.submission_id == sid, Attempt.run_index == index,
+                                                           Attempt.seed.is_not(None)).order_by(Attempt.number).limit(1))
                 attempt = Attempt(submission_id=sid, number=number, worker=worker, started_at=now,
-                                  token=secrets.token_hex(16), heartbeat_at=now, seed=draw_seed(public_seeds),
-                                  run_index=index)
+                                  token=secrets.token_hex(16), heartbeat_at=now,
+                                  seed=draw_seed(public_seeds) if seed is None else seed, run_index=index)
                 s.add(attempt)
                 s.flush()
                 return Claim(sid, attempt.id, number, attempt.token, attempt.seed, index, base)

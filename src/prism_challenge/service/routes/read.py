@@ -69,6 +69,7 @@ def submission_view(request: Request, sid: int) -> dict:
     if row.error_stage is not None:
         failure = {"stage": row.error_stage, "kind": row.error_kind, "message": row.error_message,
                    "rule": _rule_of(manifest)}
+    ended = {r.run_index for r in store.runs_of(sid)}  # a seed is shown once its run ended, not its attempt
     return {
         "id": row.id, "hotkey": hotkey_of(store, row), "status": row.status, "profile": row.profile,
         "created_at": _iso(row.created_at), "updated_at": _iso(row.updated_at), "finished_at": _iso(row.finished_at),
@@ -78,7 +79,7 @@ def submission_view(request: Request, sid: int) -> dict:
         "finding": _finding(request, sid), "runs_wanted": row.runs_wanted, "runs": run_views(store, sid),
         "history": [{"number": a.number, "run": a.run_index, "started_at": _iso(a.started_at),
                      "finished_at": _iso(a.finished_at), "outcome": a.outcome, "failure_stage": a.failure_stage,
-                     "failure_kind": a.failure_kind, "seed": a.seed if a.outcome is not None else None}
+                     "failure_kind": a.failure_kind, "seed": a.seed if a.run_index in ended else None}
                     for a in store.attempts(sid)],
     }
 
