@@ -75,7 +75,8 @@ class BatchScored(_Event):
 
 class StageCount(_Event):
     """A part of a stage after the stream, with its count. Emitted with ``done`` None when the
-    part starts, and with its count when it ends. The parts of ``heldout``: ``re-scored``
+    part starts (``re-scored`` and ``held-out batches``; the blind probes run in the re-scoring
+    child), and with its count when it ends. The parts of ``heldout``: ``re-scored``
     (audited batches re-scored in a fresh process, :mod:`prism_challenge.rescore`), ``blind
     probes`` (rows probed blind, the same child), ``held-out batches`` (batches of val text
     scored by the trained model and its twin, :mod:`prism_challenge.heldout`)."""

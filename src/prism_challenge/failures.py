@@ -76,8 +76,9 @@ FAILURE_KINDS: tuple[StageKind, ...] = (
     StageKind("consistency", ANY_CAUSE, SUBMISSION,
               "the ranks disagree: different final `state_dict` digests, or a rank out of step with the others"),
     StageKind("consistency", DRIFT, INFRASTRUCTURE,
-              "the ranks' final states differ in their last bits only (each differing tensor's sum and sum of "
-              "absolute values agree to `statedict.DRIFT_RTOL`): the CPU's kernels, not the loop; a retry runs it again"),
+              "the ranks' final states differ in their last bits only (each differing tensor's moments, the sums "
+              "of x, of absolute values, of squares and a signed sum, agree to `statedict.DRIFT_RTOL`): the CPU's "
+              "kernels, not the loop; a retry runs it again on the run's seed"),
     StageKind("budget", ANY_CAUSE, SUBMISSION, "no batch was scored before the wall-clock budget ran out"),
     StageKind("runner", ANY_CAUSE, SUBMISSION,
               "a rank ended, or broke the protocol, without a report: the submission's process died"),
