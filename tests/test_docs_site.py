@@ -87,3 +87,12 @@ def test_every_relative_link_in_the_readme_names_a_file_that_exists():
     assert missing == []
     assert {t for t in relative if t.startswith("docs/")} >= {f"docs/{p}" for p in _nav_pages(MKDOCS.read_text())
                                                               if p != "index.md"} | {"docs/index.md"}
+
+
+def test_the_readmes_layout_names_every_module_of_the_package_and_the_evaluator():
+    layout = README.read_text().split("\n## Layout\n", 1)[1]
+    package = ROOT / "src" / "prism_challenge"
+    modules = [p for d in (package, package / "evaluator") for p in sorted(d.glob("*.py")) if p.name != "__init__.py"]
+    assert len(modules) > 60
+    missing = [str(p.relative_to(package)) for p in modules if not re.search(rf"\b{re.escape(p.name)}\b", layout)]
+    assert missing == []
