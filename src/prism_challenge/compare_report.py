@@ -112,7 +112,8 @@ def repeat_rows(group: Group) -> list[tuple[str, ...]]:
 REPEAT_HEADERS = ("bundle", "n", "final_score mean ± std", "prequential_bpb mean ± std", "seeds")
 CROWN_HEADERS = ("#", "bundle", "n", "bpb mean ± std", "p vs #1", "Δ mean vs #1 [95 % CI]", "seeds")
 CROWN_NOTE = ("crown rule (prism_challenge.crown): a later bundle takes #1 only if its mean bpb is lower by a "
-              "one-sided Welch t-test at p < {p}; the rest by mean; p and Δ need 2+ runs on both sides")
+              "one-sided Welch t-test at p < {p} (with fewer than 2 runs on either side, the lowest mean leads); "
+              "the rest by mean; p and Δ need 2+ runs on both sides")
 
 
 def crown_rows(rows_: Sequence[CrownRow]) -> list[tuple[str, ...]]:
