@@ -198,7 +198,7 @@ def _verdict_rows(v: dict[str, Any]) -> list[tuple[str, str]]:
     ho = v.get("heldout") or {}
     rows = [
         ("tail bpb (last 10%)", _fmt(v["tail_bpb"])),
-        ("held-out bpb (trained / untrained)",
+        ("held-out bpb (trained/untrained)",
          f"{_fmt(ho.get('val_bpb_trained'))} / {_fmt(ho.get('val_bpb_twin'))}" if ho else f"- ({v.get('heldout_error')})"),
         ("heldout_delta", _fmt(ho.get("heldout_delta")) if ho else "-"),
         ("memorization gap (threshold)", _gap(v)),
