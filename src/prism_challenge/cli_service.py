@@ -137,7 +137,7 @@ def _show(view: dict) -> str:
     later run shows its scored runs' bpb, never a mean: it is on no leaderboard."""
     import statistics
 
-    from prism_challenge.service.client import FINAL
+    from prism_challenge.service.client import FINAL, scored_bpbs
 
     wanted, runs, final = int(view.get("runs_wanted") or 1), view.get("runs") or [], view["status"] in FINAL
     if wanted == 1:
@@ -148,7 +148,7 @@ def _show(view: dict) -> str:
     else:
         where = f"{len(runs)} of {wanted} runs" if final else f"run {min(len(runs) + 1, wanted)} of {wanted}"
         line = f"submission {view['id']}: {view['status']} ({where}, {view['attempts']} attempt(s) in all)"
-        bpbs = [r["prequential_bpb"] for r in runs if r.get("status") == "scored" and r.get("prequential_bpb") is not None]
+        bpbs = scored_bpbs(view)
         each = ", ".join(f"{b:.4f}" for b in bpbs)
         if view["status"] == "completed" and len(bpbs) > 1:
             line += (f"  prequential_bpb {statistics.fmean(bpbs):.4f} ± {statistics.stdev(bpbs):.4f} "

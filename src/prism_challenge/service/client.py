@@ -116,6 +116,14 @@ def status(url: str, sid: int, *, timeout_s: float = 30.0) -> dict:
     return _answer(_send("GET", f"{url.rstrip('/')}/v1/submissions/{sid}", timeout=timeout_s))
 
 
+
+def scored_bpbs(view: dict) -> list[float]:
+    """The prequential bpb of each scored run of a submission's view (``GET
+    /v1/submissions/{id}``, its ``runs``), first run first; runs failed, rejected or without a
+    bpb are left out."""
+    return [r["prequential_bpb"] for r in view.get("runs") or []
+            if r.get("status") == "scored" and r.get("prequential_bpb") is not None]
+
 FOLLOW_POLL_S = 0.5
 """Seconds between a follower's status reads (``prism submit``, ``follow``): the end of a run is
 read on average half of this late; one read is a small indexed query (``bench/service_e2e.py``)."""
@@ -143,4 +151,5 @@ def follow(url: str, sid: int, *, poll_s: float = FOLLOW_POLL_S, timeout_s: floa
         time.sleep(poll_s)
 
 
-__all__ = ["ClientError", "FINAL", "FOLLOW_POLL_S", "follow", "health", "status", "upload", "zip_bundle"]
+__all__ = ["ClientError", "FINAL", "FOLLOW_POLL_S", "follow", "health", "scored_bpbs", "status", "upload",
+           "zip_bundle"]

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from prism_challenge.service.client import scored_bpbs
 from prism_challenge.service.errors import ApiError
 from prism_challenge.service.queries import latest_run, scored_runs
 from prism_challenge.service.routes.read import SubmissionId, board, hotkey_view, submission_view
@@ -59,8 +60,7 @@ def submission_page(request: Request, sid: int = SubmissionId) -> HTMLResponse:
         return error_page(request, exc)
     run = latest_run(request.app.state.store, sid)
     has_curve = bool(run is not None and (run.manifest.get("curve") or {}).get("nats_per_target"))
-    bpbs = [r["prequential_bpb"] for r in view.get("runs") or [] if r.get("status") == "scored"
-            and r.get("prequential_bpb") is not None]
+    bpbs = scored_bpbs(view)
     over_runs = ({"n": len(bpbs), "mean": statistics.fmean(bpbs), "std": statistics.stdev(bpbs)}
                  if len(bpbs) > 1 else None)
     return _page(request, "submission.html", s=view, has_curve=has_curve, hk=hotkey_view(request, view["hotkey"]),

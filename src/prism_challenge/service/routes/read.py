@@ -69,14 +69,15 @@ def submission_view(request: Request, sid: int) -> dict:
     if row.error_stage is not None:
         failure = {"stage": row.error_stage, "kind": row.error_kind, "message": row.error_message,
                    "rule": _rule_of(manifest)}
-    ended = {r.run_index for r in store.runs_of(sid)}  # a seed is shown once its run ended, not its attempt
+    runs = store.runs_of(sid)
+    ended = {r.run_index for r in runs}  # a seed is shown once its run ended, not its attempt
     return {
         "id": row.id, "hotkey": hotkey_of(store, row), "status": row.status, "profile": row.profile,
         "created_at": _iso(row.created_at), "updated_at": _iso(row.updated_at), "finished_at": _iso(row.finished_at),
         "attempts": row.attempts, "max_attempts": row.max_attempts, "bundle_sha256": row.bundle_sha256,
         "source_sha256": row.source_sha256, "family_sha256": row.family_sha256, "variant_of": row.variant_of,
         "failure": failure, "scores": _scores(manifest) if row.status == "completed" else None,
-        "finding": _finding(request, sid), "runs_wanted": row.runs_wanted, "runs": run_views(store, sid),
+        "finding": _finding(request, sid), "runs_wanted": row.runs_wanted, "runs": run_views(runs),
         "history": [{"number": a.number, "run": a.run_index, "started_at": _iso(a.started_at),
                      "finished_at": _iso(a.finished_at), "outcome": a.outcome, "failure_stage": a.failure_stage,
                      "failure_kind": a.failure_kind, "seed": a.seed if a.run_index in ended else None}
@@ -84,12 +85,12 @@ def submission_view(request: Request, sid: int) -> dict:
     }
 
 
-def run_views(store, sid: int) -> list[dict]:
-    """The submission's ended runs, first first: ``{"run", "seed", "status", "prequential_bpb",
-    "final_score", "created_at"}``. A run row exists only once its attempt has ended, so its
-    secret seed is shown only then (an attempt still running is in no list with its seed)."""
+def run_views(runs) -> list[dict]:
+    """A submission's ended runs (``Store.runs_of``), first first: ``{"run", "seed", "status",
+    "prequential_bpb", "final_score", "created_at"}``. A run row exists only once its run has
+    ended, so its secret seed is shown only then (a run still under way is in no list with its seed)."""
     return [{"run": r.run_index, "seed": r.seed, "status": r.status, "prequential_bpb": r.prequential_bpb,
-             "final_score": r.final_score, "created_at": _iso(r.created_at)} for r in store.runs_of(sid)]
+             "final_score": r.final_score, "created_at": _iso(r.created_at)} for r in runs]
 
 
 def _finding(request: Request, sid: int) -> dict | None:
