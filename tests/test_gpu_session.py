@@ -257,8 +257,10 @@ def test_an_eval_needs_only_what_the_gpu_image_and_the_wheels_hold(tmp_path):
     installed distribution outside the GPU image and ``bench/gpu_wheels.txt`` made unimportable."""
     guard = _image_guard(tmp_path / "guard")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(guard), str(REPO / "src")])}
-    probe = "import sys, tempfile\nfrom prism_challenge.evaluator.jail import Jail\nfrom prism_challenge.evaluator." \
-            "isolation import Limits\nj = Jail.open('strict', bundle_dir=tempfile.mkdtemp(), hidden=[], limits=Limits()," \
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()  # under tmp_path, which pytest removes: a bare mkdtemp() here was left in $TMPDIR
+    probe = "import sys\nfrom prism_challenge.evaluator.jail import Jail\nfrom prism_challenge.evaluator." \
+            f"isolation import Limits\nj = Jail.open('strict', bundle_dir={str(bundle)!r}, hidden=[], limits=Limits()," \
             " threads=1)\nr = j.run([sys.executable, '-c', 'import sqlalchemy'], timeout_s=60)\nj.close()\n" \
             "print(r.returncode, r.stderr.decode().strip().splitlines()[-1])"
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
