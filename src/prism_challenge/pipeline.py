@@ -590,37 +590,9 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     audit = None
     refcodes = RefCodes(data, score.bytes) if score is not None and failure is None else None
     if score is not None and failure is None:
-        try:
-            with control.stage("heldout", check=False) as mark:  # a cancel here still writes the manifest
-                keep_bundle(frozen.root, run_dir)
-                if opts.audited_batches > 0:
-                    control.emit(StageCount(stage="heldout", part="re-scored"))
-                    audit = audit_run(jail=sandbox.jail, config=child_config(
-                        _model_config(opts, bundle, tokenizer, device), config, opts.nproc, list(sandbox.jail.hidden)),
-                        result=result, world_size=opts.nproc, data=data, tokenizer=tokenizer, key=key,
-                        artifacts=artifacts, run_dir=run_dir, timeout_s=opts.heldout_timeout,
-                        audited_batches=opts.audited_batches)
-                    control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
-                    control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
-                if opts.heldout_bytes > 0:
-                    control.emit(StageCount(stage="heldout", part="held-out batches"))
-                heldout, heldout_error = _heldout(opts, sandbox.jail, bundle, data, tokenizer, device, result, state_path,
-                                                  context_values(config, opts.nproc), key=key)
-                if heldout is not None:
-                    control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
-                verdict = build_verdict(score.prequential_bpb, result.steps, tokenizer.vocab_size, heldout,
-                                        heldout_error=heldout_error, policy=opts.policy,
-                                        stop_reason=result.stop_reason, covered=budget_share(
-                                            _stream_counts(result), _budgets(opts)))
-                if heldout_error is not None and heldout_error.startswith("contract:"):
-                    # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
-                    verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
-                                                  flags=[*verdict.flags, "heldout_contract"])
-                if audit is not None:
-                    verdict = apply_audit(verdict, audit)
-                mark.failed = control.cancelled
-        finally:
-            sandbox.jail.close()  # no spare child (Jail.warm) outlives the run
+        audit, verdict = _audit_and_heldout(_After(opts, control, sandbox.jail, bundle, data, tokenizer, device,
+                                                   config, result, score, state_path, key),
+                                            frozen, run_dir, artifacts)
     if control.cancelled and failure is None:  # cancelled during the held-out stage
         failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
     reference_codes = None
@@ -663,6 +635,65 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
         manifest = _signed(manifest, signing_key)
         write_run_manifest(run_dir, manifest)
     return EvalOutcome(run_dir, manifest, score, failure, findings)
+
+
+@dataclass
+class _After:
+    """What the stages after the stream share (:func:`_audit_and_heldout`)."""
+    opts: EvalOptions
+    control: RunControl
+    jail: Jail
+    bundle: Bundle
+    data: Any
+    tokenizer: Any
+    device: str
+    config: dict[str, Any]
+    result: FeederResult
+    score: Score
+    state_path: Path | None
+    key: bytes
+
+
+def _audit_and_heldout(run: _After, frozen: FrozenBundle, run_dir: Path, artifacts: Path) -> tuple[Any, Any]:
+    """Stage 5 of a scored run: the audit (re-scoring, blind probes), then the held-out
+    evaluation, then the verdict: ``(audit report or None, verdict or None if cancelled first)``.
+
+    One emptied artifacts folder serves both stages (:func:`~prism_challenge.auditstage.empty_artifacts`;
+    every child empties it again before it is fed). The jail is closed at the end: no spare
+    child outlives the run."""
+    opts, control, jail, result, score = run.opts, run.control, run.jail, run.result, run.score
+    verdict = audit = None
+    try:
+        with control.stage("heldout", check=False) as mark, empty_artifacts(artifacts) as empty:
+            keep_bundle(frozen.root, run_dir)  # a cancel here still writes the manifest (check=False)
+            if opts.audited_batches > 0:
+                control.emit(StageCount(stage="heldout", part="re-scored"))
+                audit = audit_run(jail=jail, config=child_config(
+                    _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
+                    list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data, tokenizer=run.tokenizer,
+                    key=run.key, artifacts=empty, run_dir=run_dir, timeout_s=opts.heldout_timeout,
+                    audited_batches=opts.audited_batches)
+                control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
+                control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
+            if opts.heldout_bytes > 0:
+                control.emit(StageCount(stage="heldout", part="held-out batches"))
+            heldout, heldout_error = _heldout(opts, jail, run.bundle, run.data, run.tokenizer, run.device, result,
+                                              run.state_path, context_values(run.config, opts.nproc), key=run.key)
+            if heldout is not None:
+                control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
+            verdict = build_verdict(score.prequential_bpb, result.steps, run.tokenizer.vocab_size, heldout,
+                                    heldout_error=heldout_error, policy=opts.policy, stop_reason=result.stop_reason,
+                                    covered=budget_share(_stream_counts(result), _budgets(opts)))
+            if heldout_error is not None and heldout_error.startswith("contract:"):
+                # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
+                verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
+                                              flags=[*verdict.flags, "heldout_contract"])
+            if audit is not None:
+                verdict = apply_audit(verdict, audit)
+            mark.failed = control.cancelled
+    finally:
+        jail.close()  # no spare child (Jail.warm) outlives the run
+    return audit, verdict
 
 
 def write_phases(path: Path, result: FeederResult, cpu_release: Any, wall_s: float) -> None:
@@ -896,11 +927,8 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
     }
     if context is not None:
         config["context"] = context
-    try:
-        if context is None:
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
-        with empty_artifacts(Path(str(context["artifacts_dir"]))):
-            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
+    try:  # the context's artifacts folder: emptied by the caller (_audit_and_heldout)
+        return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 
