@@ -92,7 +92,7 @@ def copy_cost(repeats: int = 50) -> None:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         subprocess.run([sys.executable, __file__, "--copy-cost"], env={**os.environ, **compute_env(2)}, check=True)
         return
-    from prism_challenge.bundle import load_bundle
+    from prism_challenge.intake.bundle import load_bundle
     from prism_challenge.evaluator.interface import PrismContext
     from prism_challenge.tokenizers import reference_tokenizer
 

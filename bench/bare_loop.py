@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from prism_challenge.evaluator.audit import arm
-from prism_challenge.bundle import load_bundle
+from prism_challenge.intake.bundle import load_bundle
 from prism_challenge.evaluator.instrument import autocast_dtype, score_batch
 from prism_challenge.evaluator.interface import Batch, PrismContext
 from prism_challenge.evaluator.seeding import force_determinism, force_seeds

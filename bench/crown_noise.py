@@ -7,7 +7,7 @@ of a production budget), ``--trials`` times:
 
 * two copies of one model: an earlier group and a later group of ``K`` runs each, every run's
   bpb drawn from ``N(mu, std)``; the later displaces the earlier when the one-sided Welch p is
-  below ``significance_p`` (:func:`prism_challenge.crown.rank_groups`'s rule). Printed: the
+  below ``significance_p`` (:func:`prism_challenge.score.crown.rank_groups`'s rule). Printed: the
   **false-displacement rate** (goal: at most 1 %), with its binomial standard error; and the
   chance that one of ``m`` copies does (``1 - (1 - rate)^m``: the rate is per challenger);
 * a model better by ``delta`` bpb (its runs from ``N(mu - delta, std)``): the **power**, the share
@@ -16,9 +16,9 @@ of a production budget), ``--trials`` times:
 Also for heavier tails than the normal: Student t with 3 degrees of freedom, scaled to the same
 std (a seed that diverges now and then).
 
-The draws are tested in bulk with the call :func:`prism_challenge.crown.welch_p` makes
+The draws are tested in bulk with the call :func:`prism_challenge.score.crown.welch_p` makes
 (``scipy.stats.ttest_ind(equal_var=False, alternative="less")``, along an axis); the first
-``--check`` trials of each level go through :func:`~prism_challenge.crown.rank_groups` itself and
+``--check`` trials of each level go through :func:`~prism_challenge.score.crown.rank_groups` itself and
 must give the same crowns.
 
 Usage: ``python bench/crown_noise.py [--trials 200000] [--k 3] [--seed 0]`` (about 30 s of CPU).
@@ -37,7 +37,7 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from prism_challenge.crown import DEFAULT_SIGNIFICANCE_P, RunGroup, rank_groups  # noqa: E402
+from prism_challenge.score.crown import DEFAULT_SIGNIFICANCE_P, RunGroup, rank_groups  # noqa: E402
 
 NOISE = (("lr 3e-3", 0.007), ("lr 1e-2", 0.041), ("1/10 budget", 0.012))
 DELTAS = (0.01, 0.02, 0.05, 0.1)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from prism_challenge.results import EvalResult, RunManifest
+from prism_challenge.manifest.results import EvalResult, RunManifest
 from prism_challenge.service.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,11 @@ let through).
 
 Printed per run: the tail's and the val side's units, tail and val bpb, the gap, ``se_tail``,
 ``se_val``, ``se_gap``, ``gap / se_gap``, the threshold (``max(floor, z * se_gap)``), flagged,
-the rule (:mod:`prism_challenge.gapnoise`), the lag-1 autocorrelation of the per-batch
+the rule (:mod:`prism_challenge.score.gapnoise`), the lag-1 autocorrelation of the per-batch
 residuals ``y_i / x_i - R`` on each side (consecutive batches of one document are correlated),
 ``se(block 4) / se(block 1)`` of the val side (about 1 when the correlation does not
 matter), and the tail's own SE over the val side's per-byte bound (``own/b``: the honest range
-behind :data:`prism_challenge.gapnoise.TAIL_CAP`). Then the share of honest runs flagged (goal 0), the largest honest ``gap / se`` and
+behind :data:`prism_challenge.score.gapnoise.TAIL_CAP`). Then the share of honest runs flagged (goal 0), the largest honest ``gap / se`` and
 gap, and the memorizers' ``gap / se``.
 
 Data: ``--data`` names a prepared data directory, or FineWeb-Edu JSON lines (files or a folder,
@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from prism_challenge import EvalOptions, evaluate  # noqa: E402
-from prism_challenge.gapnoise import per_byte_variance, ratio_se, tail_units  # noqa: E402
-from prism_challenge.run_manifest import load_run_manifest  # noqa: E402
-from prism_challenge.verdict import _steps  # noqa: E402
+from prism_challenge.score.gapnoise import per_byte_variance, ratio_se, tail_units  # noqa: E402
+from prism_challenge.manifest.run_manifest import load_run_manifest  # noqa: E402
+from prism_challenge.score.verdict import _steps  # noqa: E402
 
 LN2 = math.log(2.0)
 BENCH_BUNDLES = REPO / "bench" / "bundles"
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         data = data_dir(args.data, work)
-        from prism_challenge.scaffold import write_bundle
+        from prism_challenge.research.scaffold import write_bundle
 
         template = work / "template"
         if not template.exists():

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prism_challenge.bundle import load_bundle
+from prism_challenge.intake.bundle import load_bundle
 from prism_challenge.data.builtin import ensure_builtin
 from prism_challenge.data.manifest import load_manifest
 from prism_challenge.data.stream import train_stream

@@ -48,7 +48,7 @@ import httpx
 import uvicorn
 from service_intake import EXAMPLE, SEED, variant, zipped
 
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 from prism_challenge.service.app import create_app
 from prism_challenge.service.settings import ServiceSettings
 from prism_challenge.service.signing import sign_request

@@ -48,8 +48,8 @@ TINY = {"device": (8_192, 256, 100_000), "dry": (2_048, 64, 20_000)}
 # the large model: constants rewritten in its copies, and its runs' token budgets
 BIG = {"device": {"tokens": 131_072, "seq_len": 512, "batch": 16, "dims": {}},
        "dry": {"tokens": 2_048, "seq_len": 64, "batch": 2, "dims": {"D_MODEL": 32, "N_HEAD": 2, "N_LAYER": 2}}}
-IMPORTS = ("prism_challenge.cli", "prism_challenge.cli_eval", "prism_challenge.pipeline", "prism_challenge.certificate",
-           "prism_challenge.verify", "prism_challenge.heldout", "prism_challenge.rescore_child",
+IMPORTS = ("prism_challenge.cli", "prism_challenge.cli_eval", "prism_challenge.pipeline", "prism_challenge.manifest.certificate",
+           "prism_challenge.manifest.verify", "prism_challenge.audit.heldout", "prism_challenge.audit.rescore_child",
            "prism_challenge.evaluator.runner", "prism_challenge.evaluator.rank", "prism_challenge.data.builtin",
            "prism_challenge.data.sources", "prism_challenge.tokenizers")
 

@@ -92,7 +92,7 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_config(tmp_path_factory):
-    """Keep the user's signing key (``prism_challenge.certificate.user_key``, under
+    """Keep the user's signing key (``prism_challenge.manifest.certificate.user_key``, under
     ``platformdirs.user_config_dir``) and the service's (``user_data_dir``) of the test session
     out of the user's home."""
     os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("prism-config"))

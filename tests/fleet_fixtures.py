@@ -16,7 +16,7 @@ from fixtures_data import make_rows, write_jsonl, write_salt
 from sqlalchemy import func, select
 
 from prism_challenge import EvalOptions, evaluate
-from prism_challenge.certificate import create_key_file
+from prism_challenge.manifest.certificate import create_key_file
 from prism_challenge.data.prepare import prepare
 from prism_challenge.profiles import load_profile
 from prism_challenge.service.blobs import BlobStore
@@ -69,7 +69,7 @@ TRIVIAL = REPO / "bench" / "bundles" / "trivial" / "architecture.py"
 def operator_key() -> None:
     """The operator's signing key in the test session's state directory, as ``prism serve`` makes
     it at start (a dispatcher started alone finds none: every run would fail at stage config)."""
-    from prism_challenge.certificate import create_key_file
+    from prism_challenge.manifest.certificate import create_key_file
     from prism_challenge.service.settings import default_signing_key_file
 
     if not default_signing_key_file().exists():

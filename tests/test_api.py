@@ -31,7 +31,7 @@ from prism_challenge.failures import (
     markdown_table,
 )
 from prism_challenge.options import EvalOptions, OptionsError
-from prism_challenge.results import REGENERATE, SCHEMA_PATH, RunManifest, early_manifest, schema_text
+from prism_challenge.manifest.results import REGENERATE, SCHEMA_PATH, RunManifest, early_manifest, schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "prism_challenge"
@@ -164,7 +164,8 @@ def test_an_unlisted_stage_is_a_harness_bug():
 def test_every_stage_the_harness_fails_at_is_in_the_table():
     # every literal stage given to EvalFailure(...) or Feeder.fail(...) in the harness's trusted code
     stages = set()
-    for path in [*SRC.glob("*.py"), SRC / "evaluator" / "feeder.py"]:
+    moved = [p for stage in ("intake", "audit", "score", "manifest", "research") for p in SRC.glob(f"{stage}/*.py")]
+    for path in [*SRC.glob("*.py"), *moved, SRC / "evaluator" / "feeder.py"]:
         text = path.read_text()
         stages |= set(re.findall(r'EvalFailure\(\s*"([a-z_]+)"', text))
         stages |= set(re.findall(r'(?:self|feeder)\.fail\(\s*"([a-z_]+)"', text))

@@ -19,8 +19,8 @@ from rich.console import Console
 from prism_challenge import EvalOptions, evaluate
 from prism_challenge.cli_eval import ProgressBar
 from prism_challenge.events import BatchScored, RunFinished, StageCount, StageFinished, StageStarted
-from prism_challenge.results import RunManifest
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.results import RunManifest
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 from helpers import REPO
 

@@ -13,7 +13,7 @@ import torch
 from prism_challenge.cli import main as prism
 from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.pipeline import EvalOptions, evaluate
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 from helpers import EXAMPLE
 
@@ -54,7 +54,7 @@ def test_the_example_passes_the_audit(tmp_path):
 
 @pytest.mark.slow
 def test_the_init_template_passes_the_audit(tmp_path):
-    from prism_challenge.scaffold import write_bundle
+    from prism_challenge.research.scaffold import write_bundle
 
     write_bundle(tmp_path / "seed", tokenizer="bytes")
     outcome = run(tmp_path, tmp_path / "seed", "run", token_budget=6_000, heldout_bytes=10_000)
@@ -125,15 +125,15 @@ def test_verify_names_an_edited_record(honest_run, tmp_path, capsys):
     entry["recorded_nats"] = [entry["recorded_nats"][0] * 0.999]  # and the curve, so the score still adds up
     targets = manifest["curve"]["cumulative_targets"]
     manifest["curve"]["nats_per_target"][step] = entry["recorded_nats"][0] / (targets[step] - targets[step - 1])
-    from prism_challenge.certificate import sign_manifest, user_key
+    from prism_challenge.manifest.certificate import sign_manifest, user_key
 
     key = user_key()[0]  # the trusted key (prism eval's) signs the edit: the recomputation must catch it
     (run_dir / MANIFEST_NAME).write_text(json.dumps(sign_manifest(manifest, key)))
     assert prism(["verify", str(run_dir)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("mismatch: score: ")  # the totals no longer follow from the curve
-    from prism_challenge.verify import curve_bpb
-    from prism_challenge.verify_recompute import policy_of, recompute_verdict
+    from prism_challenge.manifest.verify import curve_bpb
+    from prism_challenge.manifest.verify_recompute import policy_of, recompute_verdict
 
     bpb, nats = curve_bpb(manifest["curve"])
     manifest["score"].update(prequential_bpb=bpb, total_nats=math.fsum(nats), total_bits=math.fsum(nats) / math.log(2))
@@ -209,7 +209,9 @@ def test_a_peek_at_one_position_in_six_is_zeroed_by_the_blind_probe(tmp_path, ho
 def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, monkeypatch):
     import contextlib
 
-    from prism_challenge import auditstage, pipeline
+    from prism_challenge import pipeline
+
+    from prism_challenge.audit import auditstage
 
     seen_by_children = []  # the held-out and audit children's files, read before their folder is emptied
     real = auditstage.empty_artifacts
@@ -223,7 +225,8 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
 
     monkeypatch.setattr(auditstage, "empty_artifacts", keeping)
     monkeypatch.setattr(pipeline, "empty_artifacts", keeping)
-    from prism_challenge import heldout, rescore
+    from prism_challenge.audit import heldout
+    from prism_challenge.audit import rescore
     from prism_challenge.evaluator import freshdir
 
     def reading_first(folders):  # each child's folder is emptied before the next child runs

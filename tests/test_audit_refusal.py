@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_challenge import rescore
+from prism_challenge.audit import rescore
 from prism_challenge.evaluator.jail import Finished
-from prism_challenge.heldout import _read_frame
+from prism_challenge.audit.heldout import _read_frame
 from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.service.findings import finding_of
 
@@ -247,7 +247,7 @@ def attempt_with(tmp_path, batch_s):
 def test_the_runs_own_seconds_per_batch():
     from types import SimpleNamespace
 
-    from prism_challenge.auditstage import seconds_per_batch
+    from prism_challenge.audit.auditstage import seconds_per_batch
 
     assert seconds_per_batch(SimpleNamespace(steps=[0] * 5, first_batch_at=10.0, last_record_at=18.0)) == 2.0
     assert seconds_per_batch(SimpleNamespace(steps=[0], first_batch_at=10.0, last_record_at=18.0)) is None

@@ -172,7 +172,7 @@ def test_a_stream_of_three_snapshots_is_read_one_at_a_time(tmp_path):
 def test_one_child_rescores_three_snapshots_holding_one_at_a_time(tmp_path):
     from prism_challenge.evaluator.isolation import Limits
     from prism_challenge.evaluator.jail import Jail
-    from prism_challenge.rescore import Job, _payloads, child_argv
+    from prism_challenge.audit.rescore import Job, _payloads, child_argv
 
     root, model, _ = _trained(tmp_path, "honest")
     (tmp_path / "art").mkdir()
@@ -215,8 +215,8 @@ def test_a_snapshot_changed_after_it_was_hashed_is_named(tmp_path):
 def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(monkeypatch):
     """No GPU here: torch's CUDA start is replaced by a recorder. The spare's argv names the
     device, so its prologue (before stdin, before the audit hook) is where CUDA starts."""
-    from prism_challenge import rescore_child
-    from prism_challenge.rescore import CHILD_ARGV, child_argv
+    from prism_challenge.audit import rescore_child
+    from prism_challenge.audit.rescore import CHILD_ARGV, child_argv
 
     calls = []
     monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))

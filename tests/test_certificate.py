@@ -1,4 +1,4 @@
-"""The signed run certificate (prism_challenge.certificate): RFC 8032's published Ed25519 vector,
+"""The signed run certificate (prism_challenge.manifest.certificate): RFC 8032's published Ed25519 vector,
 RFC 8785 canonical bytes written out by hand, the key rules, and every way a certificate fails."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from prism_challenge.certificate import (
+from prism_challenge.manifest.certificate import (
     CertificateError,
     canonical,
     check_certificate,
@@ -170,7 +170,7 @@ def test_a_bad_key_stops_eval_before_anything_runs(tmp_path):
 
 
 def test_the_key_is_hidden_from_every_jailed_process(tmp_path):
-    from prism_challenge.certificate import user_key_path
+    from prism_challenge.manifest.certificate import user_key_path
     from prism_challenge.pipeline import EvalOptions, _hidden, _key_paths
 
     given = EvalOptions(bundle="b", signing_key_file=str(tmp_path / "k.pem"))

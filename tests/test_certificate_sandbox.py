@@ -67,8 +67,8 @@ def test_a_sandboxed_loop_cannot_read_the_signing_key(tmp_path, monkeypatch):
 def test_a_failed_runs_manifest_is_signed_too(tmp_path):
     import json
 
-    from prism_challenge.certificate import check_certificate
-    from prism_challenge.run_manifest import MANIFEST_NAME
+    from prism_challenge.manifest.certificate import check_certificate
+    from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
     arch = UNIFORM_ARCH.replace("Uniform(ctx.vocab_size)", "Uniform(2)")  # the wrong logits' shape: a contract failure
     o = evaluate(EvalOptions(bundle=str(write_bundle(tmp_path / "b", arch)), out_dir=str(tmp_path / "run"), device="cpu",
@@ -76,7 +76,7 @@ def test_a_failed_runs_manifest_is_signed_too(tmp_path):
     assert o.failure is not None and o.failure.stage == "contract"
     m = json.loads((o.run_dir / MANIFEST_NAME).read_text())
     assert m["status"] == "failed" and check_certificate(m, None) == m["certificate"]["key_id"]
-    from prism_challenge.results import RunManifest
+    from prism_challenge.manifest.results import RunManifest
 
     # the typed model's JSON (what the service stores and the API returns) keeps the signature
     assert check_certificate(RunManifest.model_validate(m).to_json_dict(), None) == m["certificate"]["key_id"]

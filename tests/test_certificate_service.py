@@ -12,7 +12,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from prism_challenge.certificate import CertificateError, load_private_key
+from prism_challenge.manifest.certificate import CertificateError, load_private_key
 from prism_challenge.service.settings import SIGNING_KEY_ENV, ServiceSettings
 
 
@@ -64,8 +64,8 @@ def test_a_named_key_that_others_can_read_is_refused(tmp_path, monkeypatch):
 def test_verify_trusts_the_key_the_service_publishes(tmp_path, monkeypatch):
     from service_live import live_server
 
-    from prism_challenge.certificate import check_certificate, public_key_text, sign_manifest
-    from prism_challenge.verify import service_key
+    from prism_challenge.manifest.certificate import check_certificate, public_key_text, sign_manifest
+    from prism_challenge.manifest.verify import service_key
 
     monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
     key = tmp_path / "operator.pem"

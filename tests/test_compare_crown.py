@@ -15,8 +15,8 @@ import pytest
 from scipy import stats
 
 from prism_challenge.cli import main
-from prism_challenge.compare import crown, group_runs, load_runs
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.research.compare import crown, group_runs, load_runs
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 SCORED = json.loads((Path(__file__).parent / "data" / "scored_manifest.v2.json").read_text())
 ALPHA = (1.010, 1.000, 1.004)  # the earlier bundle
@@ -99,7 +99,7 @@ def test_prism_compare_prints_the_test(runs, capsys, monkeypatch):
 
 
 def test_the_html_report_has_the_crown_table(runs):
-    from prism_challenge.compare_report import html_report
+    from prism_challenge.research.compare_report import html_report
 
     groups = group_runs(load_runs(sorted(runs.iterdir())))
     page = html_report(groups, [], None)
@@ -112,8 +112,8 @@ def test_the_html_report_has_the_crown_table(runs):
 
 
 def test_the_plot_names_runs_by_bundle_and_seed_and_bands_each_bundle(runs):
-    from prism_challenge.compare_report import legend_names
-    from prism_challenge.plots import RunCurve, group_band
+    from prism_challenge.research.compare_report import legend_names
+    from prism_challenge.research.plots import RunCurve, group_band
 
     groups = group_runs(load_runs(sorted(runs.iterdir())))
     names = sorted(legend_names(groups, 0.01).values())

@@ -5,9 +5,9 @@ import statistics
 
 import pytest
 
-from prism_challenge.compare import Group, Run, comparability, seed_repeats, warnings
-from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
-from prism_challenge.report import seed_stats, strip_launcher_dump
+from prism_challenge.research.compare import Group, Run, comparability, seed_repeats, warnings
+from prism_challenge.research.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
+from prism_challenge.research.report import seed_stats, strip_launcher_dump
 
 TORCHRUN_DUMP = """step 1
 E1201 10:05:12.332000 4 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0

@@ -1,4 +1,4 @@
-"""The crown rule (prism_challenge.crown): Welch's p against a hand computation, the crown's
+"""The crown rule (prism_challenge.score.crown): Welch's p against a hand computation, the crown's
 cases (copies, a clearly better challenger, single runs), the short tier, the budget share."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 from scipy import stats
 
-from prism_challenge.crown import (
+from prism_challenge.score.crown import (
     CrownError,
     RunGroup,
     budget_share,

@@ -6,6 +6,7 @@ docstrings griffe cannot read); these checks need no MkDocs."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def test_every_page_of_the_nav_exists_and_every_page_is_in_the_nav():
 def test_the_api_reference_renders_the_public_modules():
     api = (DOCS / "api.md").read_text()
     assert re.findall(r"^::: (\S+)$", api, re.M) == [
-        "prism_challenge.api", "prism_challenge.options", "prism_challenge.results", "prism_challenge.events",
+        "prism_challenge.api", "prism_challenge.options", "prism_challenge.manifest.results", "prism_challenge.events",
         "prism_challenge.failures"]
 
 
@@ -89,10 +90,28 @@ def test_every_relative_link_in_the_readme_names_a_file_that_exists():
                                                               if p != "index.md"} | {"docs/index.md"}
 
 
-def test_the_readmes_layout_names_every_module_of_the_package_and_the_evaluator():
+STAGES = ("intake", "gates", "data", "evaluator", "audit", "score", "manifest", "research", "service")
+"""The package's stages, in the order a run takes them (issue 30: one subpackage per stage)."""
+
+
+def test_the_package_reads_as_the_pipeline_a_subpackage_per_stage_and_at_most_a_dozen_loose_modules():
+    package = ROOT / "src" / "prism_challenge"
+    loose = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 12, loose
+    assert {"api.py", "pipeline.py", "options.py"} <= set(loose)
+    for stage in STAGES:
+        init = package / stage / "__init__.py"
+        assert init.is_file(), stage
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{stage}/__init__.py has no docstring"
+
+
+def test_the_readmes_layout_names_every_module_of_the_package_and_its_stages():
     layout = README.read_text().split("\n## Layout\n", 1)[1]
     package = ROOT / "src" / "prism_challenge"
-    modules = [p for d in (package, package / "evaluator") for p in sorted(d.glob("*.py")) if p.name != "__init__.py"]
+    folders = (package, *(package / s for s in ("evaluator", "intake", "audit", "score", "manifest", "research")))
+    modules = [p for d in folders for p in sorted(d.glob("*.py")) if p.name != "__init__.py"]
     assert len(modules) > 60
+    where = [layout.find(f"\n  {s}/") for s in STAGES]
+    assert -1 not in where and where == sorted(where), dict(zip(STAGES, where))  # every stage, in the run's order
     missing = [str(p.relative_to(package)) for p in modules if not re.search(rf"\b{re.escape(p.name)}\b", layout)]
     assert missing == []

@@ -15,11 +15,11 @@ import pytest
 import torch
 import zstandard
 
-from prism_challenge.bundle import load_bundle
+from prism_challenge.intake.bundle import load_bundle
 from prism_challenge.cli import main
 from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 from helpers import EXAMPLE, LOOP, REPO, SHARED, UNIFORM_ARCH, write_bundle
 

@@ -11,7 +11,7 @@ from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.feeder import Feeder, RowAssembler
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.statedict import frames
-from prism_challenge.scoring import prequential_score
+from prism_challenge.score.scoring import prequential_score
 
 from helpers import chunks_of
 

@@ -83,7 +83,7 @@ def test_a_request_for_an_infinite_batch_is_the_ranks_protocol_error(tmp_path):
 def test_a_forged_done_header_keeps_the_manifests_types_and_an_honest_one_is_kept_whole(tmp_path):
     from prism_challenge.evaluator.donereport import clean_done
     from prism_challenge.evaluator.gpu import peak_memory
-    from prism_challenge.results import ModelInfo
+    from prism_challenge.manifest.results import ModelInfo
 
     honest = {**peak_memory(), "device_name": "cpu (x86_64)", "phases": {"staging": 0.5, "batches": 3},
               "parameter_count": 1234, "state_sha256": "0f" * 32, "state_tensors": {"w": "ab" * 32},

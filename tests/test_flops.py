@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prism_challenge.flops import (
+from prism_challenge.score.flops import (
     TRAINING_FLOPS_FACTOR,
     checked,
     count_forward_flops,
@@ -20,7 +20,7 @@ from prism_challenge.flops import (
     shape_of,
     spent,
 )
-from prism_challenge.results import SCHEMA_PATH
+from prism_challenge.manifest.results import SCHEMA_PATH
 
 from helpers import LOOP, write_bundle
 
@@ -170,8 +170,8 @@ def test_a_real_run_records_the_hand_counted_flops_whatever_its_loop_does(tmp_pa
     from rich.console import Console
 
     from prism_challenge.pipeline import EvalOptions, evaluate
-    from prism_challenge.report import print_summary
-    from prism_challenge.results import RunManifest
+    from prism_challenge.research.report import print_summary
+    from prism_challenge.manifest.results import RunManifest
 
     bundle = write_bundle(tmp_path / "b", EMB_HEAD, HOSTILE_LOOP)
     o = evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / "run"), device="cpu", token_budget=2000,
@@ -220,7 +220,7 @@ def test_compare_shows_the_training_flops_and_plots_bpb_against_them(tmp_path, c
     import re
 
     from prism_challenge.cli import main
-    from prism_challenge.plots import compute_figure, compute_point
+    from prism_challenge.research.plots import compute_figure, compute_point
 
     runs = {"big": _scored(1, 3.5, 124703174160, "a" * 64), "small": _scored(2, 4.0, 6_000_000, "b" * 64),
             "old": _scored(3, 4.5, None, "c" * 64)}  # a manifest from before issue 29: no figure
@@ -277,7 +277,7 @@ def protocol_done(runner):
 def test_only_the_first_rescoring_child_counts_the_flops():
     import numpy as np
 
-    from prism_challenge.rescore import Job, job_config
+    from prism_challenge.audit.rescore import Job, job_config
 
     jobs = [Job(step, 0, i, np.zeros((2, 4), dtype=np.int64), [(0, 1)]) for i, step in enumerate((0, 5, 9))]
     config = {"seed": 1, "flop_shapes": ["2x4"]}

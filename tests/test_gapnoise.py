@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from prism_challenge.gapnoise import GapNoiseError, gap_noise, per_byte_variance, ratio_se, tail_units
-from prism_challenge.verdict import tail_bpb
+from prism_challenge.score.gapnoise import GapNoiseError, gap_noise, per_byte_variance, ratio_se, tail_units
+from prism_challenge.score.verdict import tail_bpb
 
 LN2 = math.log(2)
 
@@ -136,8 +136,8 @@ def test_one_outlier_val_batch_does_not_hide_a_memorization_gap():
     # red team 9: a memorizer (tail 1.00 bpb, val 1.50) made confidently wrong on one val batch
     # (a causal per-row trigger: every probe passes) raised its val bpb by 0.15 and, unclamped,
     # its threshold from the 0.05 floor to 0.78 bpb: unflagged. Winsorized residuals keep it flagged.
-    from prism_challenge.gapnoise import gap_noise
-    from prism_challenge.verdict import memorization
+    from prism_challenge.score.gapnoise import gap_noise
+    from prism_challenge.score.verdict import memorization
 
     ln2, x = math.log(2), 8000
     tail = ([(1.00 + 0.03 * (-1) ** i) * x * ln2 for i in range(40)], [x] * 40)

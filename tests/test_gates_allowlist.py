@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from prism_challenge.bundle import BundleError
+from prism_challenge.intake.bundle import BundleError
 
 from prism_challenge.cli import main
 from prism_challenge.gates import RULES, run_gates

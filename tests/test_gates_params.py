@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import prism_challenge.gates.param_count as param_count
-from prism_challenge.bundle import BundleError, load_bundle
+from prism_challenge.intake.bundle import BundleError, load_bundle
 from prism_challenge.gates import parameter_gate, run_gates
 from prism_challenge.gates.param_count import count_unique_elements, uninitialized
 

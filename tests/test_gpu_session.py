@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prism_challenge.bundle import load_bundle
+from prism_challenge.intake.bundle import load_bundle
 from prism_challenge.evaluator import isolation
 from prism_challenge.gates import run_gates
 

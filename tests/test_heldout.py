@@ -23,7 +23,7 @@ from prism_challenge.data.manifest import load_manifest
 from prism_challenge.evaluator import isolation
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.evaluator.jail import Jail
-from prism_challenge.heldout import HeldoutError, blind_probes, heldout_cuts, run_heldout
+from prism_challenge.audit.heldout import HeldoutError, blind_probes, heldout_cuts, run_heldout
 
 from helpers import UNIFORM_ARCH
 
@@ -184,7 +184,7 @@ def test_standalone_cli_prints_the_same_figures(tmp_path, data_dir, trained_stat
     bundle = write_arch(tmp_path / "b", BIGRAM_ARCH)
     cfg = config(bundle, trained_state[0], data_dir)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    res = subprocess.run([sys.executable, "-m", "prism_challenge.heldout", str(tmp_path / "cfg.json")],
+    res = subprocess.run([sys.executable, "-m", "prism_challenge.audit.heldout", str(tmp_path / "cfg.json")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.strip().splitlines()
@@ -367,7 +367,7 @@ def test_blind_probes_keep_the_prefix_and_go_on_with_other_held_out_text():
 
 
 def test_the_parent_takes_per_batch_nats_only_and_sums_them_itself():
-    from prism_challenge.heldout import _model_reply
+    from prism_challenge.audit.heldout import _model_reply
 
     reply = {"nats": 1e9, "batch_nats": [1.5, 2.25, 0.125], "targets": 30, "nonfinite_batches": 0}
     got = _model_reply(reply, 3)

@@ -4,7 +4,7 @@ The twin once took the *trained* model's dtypes. A loop that changed a tensor's 
 0 then made the twin "init values cast to later dtypes", a model that never scored anything, and a
 forward that amplifies the rounding made that twin as bad as it liked: ``heldout_delta`` 81.29
 against 0.027 for the same run without the cast, at no cost to the stream. The twin now takes the
-dtypes of the audit's snapshot of step 0 (:func:`prism_challenge.auditstage.twin_dtypes`).
+dtypes of the audit's snapshot of step 0 (:func:`prism_challenge.audit.auditstage.twin_dtypes`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism_challenge.auditstage import AUDIT_DIR, twin_dtypes
+from prism_challenge.audit.auditstage import AUDIT_DIR, twin_dtypes
 from prism_challenge.evaluator.snapfile import snapshot_dtypes, write_snapshot
 from prism_challenge.evaluator.snapshots import snapshot_name
 from prism_challenge.pipeline import EvalOptions, evaluate

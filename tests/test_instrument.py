@@ -256,7 +256,7 @@ def test_a_model_that_writes_its_input_is_scored_on_the_true_targets():
 def test_the_heldout_rows_are_copied_before_the_model_sees_them():
     import numpy as np
 
-    from prism_challenge.heldout import score_rows
+    from prism_challenge.audit.heldout import score_rows
 
     rows = np.array([[1, 2, 3, 0, 4], [5, 6, 0, 1, 2]], dtype=np.int64)
     kept = rows.copy()

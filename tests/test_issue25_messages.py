@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from prism_challenge.certificate import CertificateError, parse_public_key
+from prism_challenge.manifest.certificate import CertificateError, parse_public_key
 from prism_challenge.cli import build_parser, main
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "scored_manifest.v2.json").read_text())
@@ -97,7 +97,7 @@ def test_a_bad_run_secret_says_how_it_is_bad(bad, why, capsys):
 
 # -- the summary of prism eval ---------------------------------------------------------------------
 def test_the_summary_shows_the_run_secret_and_the_certificates_key(tmp_path):
-    from prism_challenge.report import print_summary
+    from prism_challenge.research.report import print_summary
 
     m = copy.deepcopy(FIXTURE)
     m["run_secret"] = SECRET
@@ -237,7 +237,7 @@ def test_verify_refuses_a_profile_or_data_directory_it_cannot_read_before_anythi
 
 
 def test_the_json_summary_carries_the_run_secret_and_the_signing_key_id(tmp_path):
-    from prism_challenge.report import summary_dict
+    from prism_challenge.research.report import summary_dict
 
     m = copy.deepcopy(FIXTURE)
     assert summary_dict(SimpleNamespace(manifest=m, run_dir=tmp_path))["run_secret"] is None  # an older manifest

@@ -23,13 +23,13 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from prism_challenge.bundle import Bundle, Entrypoint
+from prism_challenge.intake.bundle import Bundle, Entrypoint
 from prism_challenge.evaluator.instrument import measure
 from prism_challenge.evaluator.scoringstate import SDPA_BACKENDS, scoring_state
 from prism_challenge.evaluator.statedict import StateError, cast_unsaved_buffers, in_dtypes_of, load_scored_state
 from prism_challenge.options import EvalOptions, OptionsError
 from prism_challenge.profiles import ProfileError, load_profile
-from prism_challenge.scoringprecision import scoring_autocast, scoring_record
+from prism_challenge.score.scoringprecision import scoring_autocast, scoring_record
 
 from helpers import EXAMPLE, REPO
 
@@ -229,7 +229,7 @@ def test_the_bundles_declared_autocast_wins_over_the_profiles(declared, profile,
 
 # -- prism verify of a CUDA run without CUDA -----------------------------------------------------
 def test_verify_refuses_a_cuda_run_without_cuda_naming_the_device(monkeypatch):
-    from prism_challenge import verify_audit
+    from prism_challenge.manifest import verify_audit
 
     monkeypatch.setattr(verify_audit, "_cuda", lambda: False)
     m = {"compute": {"device": "cuda", "device_name": "NVIDIA H200", "torch_version": "2.11.0+cu128",
@@ -257,7 +257,7 @@ def _eval(bundle, out_dir, scoring="fp32"):
 def _heldout_again(run_dir, m, *, assign):
     """The trained state's held-out nats per batch, scored here from the run's kept state: in its
     own dtypes (``assign``) or copied into float32 parameters (the former load)."""
-    from prism_challenge.heldout import heldout_cuts, score_rows
+    from prism_challenge.audit.heldout import heldout_cuts, score_rows
     from prism_challenge.pipeline import HELDOUT_BATCH
 
     h = m["verdict"]["heldout"]

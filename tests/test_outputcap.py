@@ -186,7 +186,7 @@ def test_the_parameter_childs_failure_names_the_bytes_dropped(tmp_path):
 
 
 def test_the_held_out_childs_failure_names_the_bytes_dropped():
-    from prism_challenge.heldout import HeldoutError, _run_child
+    from prism_challenge.audit.heldout import HeldoutError, _run_child
 
     with pytest.raises(HeldoutError) as caught:
         _run_child(_Jail(), {}, [np.zeros((1, 2), dtype=np.int64)], b"", time.monotonic() + 60, 60)
@@ -195,7 +195,7 @@ def test_the_held_out_childs_failure_names_the_bytes_dropped():
 
 
 def test_the_audit_childrens_failure_names_the_bytes_dropped():
-    from prism_challenge.rescore import AuditError, _reply
+    from prism_challenge.audit.rescore import AuditError, _reply
 
     for mode in ("rescore", "blind"):
         with pytest.raises(AuditError) as caught:

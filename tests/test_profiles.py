@@ -18,7 +18,7 @@ from prism_challenge.profiles import (
     profile_names,
     resolve,
 )
-from prism_challenge.verdict import Policy
+from prism_challenge.score.verdict import Policy
 
 from helpers import EXAMPLE, REPO
 

@@ -24,16 +24,16 @@ from fixtures_data import SALT_HEX, make_rows, read_split_rows, write_parquet, w
 from pydantic import ValidationError
 from rich.console import Console
 
-from prism_challenge.compare import group_runs, load_runs
-from prism_challenge.compare_report import HEADERS, html_report, print_report, rows
+from prism_challenge.research.compare import group_runs, load_runs
+from prism_challenge.research.compare_report import HEADERS, html_report, print_report, rows
 from prism_challenge.data import refcodes
 from prism_challenge.data.manifest import DataError
 from prism_challenge.data.prepare import prepare
 from prism_challenge.data.stream import iter_token_chunks
 from prism_challenge.evaluator.feeder import RowAssembler
-from prism_challenge.report import print_summary
-from prism_challenge.results import SCHEMA_PATH, RunManifest
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.research.report import print_summary
+from prism_challenge.manifest.results import SCHEMA_PATH, RunManifest
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 from prism_challenge.tokenizers import reference_tokenizer
 
 ROWS = make_rows(300, seed=29, words=(1, 200))

@@ -29,7 +29,7 @@ from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.evaluator.snapshots import AuditedStep
 from prism_challenge.evaluator.statedict import frames
-from prism_challenge.rescore import BLIND_PASSES, probe_batch, run_audit
+from prism_challenge.audit.rescore import BLIND_PASSES, probe_batch, run_audit
 
 from helpers import chunks_of
 from test_feeder import FakeRunner, wait_done
@@ -251,7 +251,7 @@ def test_the_blind_probe_catches_a_peek_the_snapshot_reproduces(tmp_path):
     tokens = RNG.integers(0, 257, (24, 30)).astype(np.int64)  # 24 rows: some k - 1 is a peeked position
     jail = Jail("none", str(root), (), Limits(), 1)
     from prism_challenge.evaluator.snapshots import file_sha256
-    from prism_challenge.rescore import Job, plan, run_children
+    from prism_challenge.audit.rescore import Job, plan, run_children
 
     filler = RNG.integers(0, 257, 500).astype(np.int64)
     a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
@@ -267,7 +267,7 @@ def test_the_blind_probe_catches_a_peek_the_snapshot_reproduces(tmp_path):
 
 
 def test_verify_re_derives_the_bpb_from_the_curve():
-    from prism_challenge.verify import curve_bpb
+    from prism_challenge.manifest.verify import curve_bpb
 
     # three batches of 10, 10 and 5 targets costing 20, 15 and 4 nats, over 30 bytes
     curve = {"nats_per_target": [2.0, 1.5, 0.8], "cumulative_targets": [10, 20, 25], "cumulative_bytes": [12, 24, 30]}
@@ -277,7 +277,7 @@ def test_verify_re_derives_the_bpb_from_the_curve():
 
 
 def test_the_children_see_the_artifacts_folder_empty_and_the_loops_files_come_back(tmp_path):
-    from prism_challenge.auditstage import empty_artifacts
+    from prism_challenge.audit.auditstage import empty_artifacts
 
     art = tmp_path / "artifacts"
     art.mkdir()
@@ -306,7 +306,7 @@ def test_the_children_cannot_relay_the_true_rows_through_the_artifacts_folder(tm
     assert all(tokens[b, -1] == tokens[b + 1, 0] for b in range(3))
     jail = Jail("none", str(root), (), Limits(), 1)
     from prism_challenge.evaluator.snapshots import file_sha256
-    from prism_challenge.rescore import plan, run_children
+    from prism_challenge.audit.rescore import plan, run_children
 
     filler = RNG.integers(0, 257, 500).astype(np.int64)
     a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
@@ -355,7 +355,7 @@ def test_the_children_cannot_relay_the_true_rows_through_the_folders_own_metadat
     tokens = _chained(4, 64, 11)
     jail = Jail("none", str(root), (), Limits(), 1)  # the audit hooks armed
     from prism_challenge.evaluator.snapshots import file_sha256
-    from prism_challenge.rescore import plan, run_children
+    from prism_challenge.audit.rescore import plan, run_children
 
     filler = RNG.integers(0, 257, 500).astype(np.int64)
     a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
@@ -413,7 +413,7 @@ class _RecordingJail:
 
 
 def test_audit_children_are_fed_one_at_a_time_on_an_emptied_folder_with_the_next_one_warming(monkeypatch):
-    from prism_challenge import rescore
+    from prism_challenge.audit import rescore
 
     events = []
     monkeypatch.setattr(rescore, "empty_folders", lambda folders: events.append(("empty", tuple(folders))))

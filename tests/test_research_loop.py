@@ -12,8 +12,8 @@ from rich.console import Console
 
 from prism_challenge.cli import main
 from prism_challenge.pipeline import EvalOptions, evaluate
-from prism_challenge.report import print_summary
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.research.report import print_summary
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 from helpers import UNIFORM_ARCH, write_bundle
 
@@ -151,7 +151,7 @@ def test_compare_ranks_as_the_challenge_and_warns_on_other_data(tmp_path, capsys
     import shutil
     import xml.etree.ElementTree as ET
 
-    from prism_challenge.verdict import rank
+    from prism_challenge.score.verdict import rank
 
     dirs = []
     for lr in (0.0, 1.0, 4.0):  # three real runs of different learning rates

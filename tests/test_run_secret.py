@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prism_challenge import pipeline
-from prism_challenge.bundle import load_bundle
+from prism_challenge.intake.bundle import load_bundle
 from prism_challenge.cli import main as prism
 from prism_challenge.evaluator.auditplan import (
     AUDITED_BATCHES,
@@ -24,7 +24,7 @@ from prism_challenge.evaluator.auditplan import (
     rate_at,
 )
 from prism_challenge.pipeline import EvalOptions, evaluate, run_secret
-from prism_challenge.results import RunManifest
+from prism_challenge.manifest.results import RunManifest
 
 from helpers import EXAMPLE
 
@@ -61,15 +61,15 @@ def test_the_service_never_sets_a_run_secret(tmp_path):
 
 def test_no_module_keys_a_draw_on_a_path_or_a_salt():
     src = Path(pipeline.__file__).parent
-    for name in ("pipeline.py", "evaluator/feeder.py", "rescore.py", "auditstage.py", "heldout.py", "gapnoise.py",
-                 "blindprobe.py"):
+    for name in ("pipeline.py", "evaluator/feeder.py", "audit/rescore.py", "audit/auditstage.py", "audit/heldout.py",
+                 "score/gapnoise.py", "audit/blindprobe.py"):
         text = (src / name).read_text()
         assert "salt_path.read" not in text and "str(data_root).encode()" not in text, name
         assert "SystemRandom" not in text, name  # no second, unrevealed source of draws
 
 
 def test_the_heldout_blind_probes_are_drawn_from_the_secret_not_the_seed():
-    from prism_challenge.blindprobe import blind_probes
+    from prism_challenge.audit.blindprobe import blind_probes
 
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, 97, (8, 64)).astype(np.int64) for _ in range(12)]

@@ -12,7 +12,7 @@ import pytest
 
 from prism_challenge.cli import main as prism
 from prism_challenge.pipeline import EvalOptions, evaluate
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 AUDIT = Path("model") / "audit"
 
@@ -21,7 +21,7 @@ AUDIT = Path("model") / "audit"
 def honest(tmp_path_factory):
     """A real run of the template (bytes tokenizer, 2000 tokens), audited and signed by the
     session's own key (conftest keeps it out of the home folder)."""
-    from prism_challenge.scaffold import write_bundle
+    from prism_challenge.research.scaffold import write_bundle
 
     tmp = tmp_path_factory.mktemp("prune")
     write_bundle(tmp / "seed", tokenizer="bytes")
@@ -44,7 +44,7 @@ def snaps(run):
 
 
 def resign(run, edit):
-    from prism_challenge.certificate import sign_manifest, user_key
+    from prism_challenge.manifest.certificate import sign_manifest, user_key
 
     manifest = json.loads((run / MANIFEST_NAME).read_text())
     edit(manifest)

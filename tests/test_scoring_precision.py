@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prism_challenge.blindprobe import blind_probes, compare
-from prism_challenge.bundle import SCORING_AUTOCAST, BundleError, load_bundle
+from prism_challenge.audit.blindprobe import blind_probes, compare
+from prism_challenge.intake.bundle import SCORING_AUTOCAST, BundleError, load_bundle
 from prism_challenge.evaluator import instrument
 from prism_challenge.evaluator.instrument import (
     AUTOCAST_DTYPES, PROBE_TOLERANCE_NATS, ContractError, autocast_dtype, measure, position_logprobs,
     positions_logprobs, probe_precision, score_batch, target_logprobs)
 from prism_challenge.evaluator.staging import Staging
 from prism_challenge.evaluator.statedict import cpu_state, uncompiled
-from prism_challenge.heldout import score_rows
+from prism_challenge.audit.heldout import score_rows
 
 
 def _direct_nats(logits, tokens, v):
@@ -247,7 +247,7 @@ def test_heldout_scoring_and_the_blind_probe_pass_a_bf16_model_like_with_like():
     batches = [rng.integers(0, v, (4, 32)).astype(np.int64) for _ in range(5)]
     probes = blind_probes(batches, b"k" * 32, v)
     scored = score_rows(trained, batches, v, "cpu", picks=[p[:3] for p in probes])  # every batch probed
-    from prism_challenge.blindprobe import logprobs_at
+    from prism_challenge.audit.blindprobe import logprobs_at
 
     seen = [logprobs_at(fresh, p[3], p[1], p[2] - 1, v, "cpu") for p in probes]
     assert {name for _, name in seen} == {"bfloat16"}
@@ -257,7 +257,7 @@ def test_heldout_scoring_and_the_blind_probe_pass_a_bf16_model_like_with_like():
 
 
 def test_the_blind_probe_catches_a_bf16_model_that_reads_the_next_token():
-    from prism_challenge.blindprobe import BlindProbeError, logprobs_at
+    from prism_challenge.audit.blindprobe import BlindProbeError, logprobs_at
 
     torch.manual_seed(8)
     v = 97

@@ -182,7 +182,7 @@ def test_a_service_attempt_sigkilled_mid_run_leaves_nothing_after_the_reconciles
     nothing either."""
     from fleet_fixtures import PROFILE_TOML, fixture_data, trivial_bundle
 
-    from prism_challenge.certificate import create_key_file
+    from prism_challenge.manifest.certificate import create_key_file
     from prism_challenge.service.settings import SIGNING_KEY_ENV
 
     data = fixture_data(tmp_path / "fixture")

@@ -19,13 +19,13 @@ import sr25519
 from service_live import live_server
 
 from prism_challenge.failures import EvalFailure
-from prism_challenge.results import EvalResult, RunManifest
+from prism_challenge.manifest.results import EvalResult, RunManifest
 from prism_challenge.service.confirm import SEED_BOUND, draw_seed, would_place
 from prism_challenge.service.queries import scored_entries
 from prism_challenge.service.signing import ss58_encode
 from prism_challenge.service.store import Store
 from prism_challenge.service.worker import failure_result
-from prism_challenge.verdict import Policy
+from prism_challenge.score.verdict import Policy
 
 pytestmark = pytest.mark.fleet
 

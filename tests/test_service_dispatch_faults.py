@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 
 from prism_challenge.profiles import load_profile
-from prism_challenge.results import EvalResult, RunManifest
+from prism_challenge.manifest.results import EvalResult, RunManifest
 from prism_challenge.service.blobs import BlobStore
 from prism_challenge.service.dispatch import Dispatcher
 from prism_challenge.service.models import Attempt, Run, Submission

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import load_profile
-from prism_challenge.results import EvalResult, RunManifest
+from prism_challenge.manifest.results import EvalResult, RunManifest
 from prism_challenge.service.dispatch import backoff_s, resources_for
 from prism_challenge.service.fleet_cli import render
 from prism_challenge.service.models import Attempt, Run, Submission, utcnow

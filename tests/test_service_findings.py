@@ -31,7 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from helpers import EXAMPLE
 from prism_challenge.cli import main
 from prism_challenge.failures import EvalFailure
-from prism_challenge.results import Audit, EvalResult, RunManifest, early_manifest
+from prism_challenge.manifest.results import Audit, EvalResult, RunManifest, early_manifest
 from prism_challenge.service import findings as fnd
 from prism_challenge.service.models import Finding, utcnow
 from prism_challenge.service.signing import ss58_encode
@@ -46,7 +46,7 @@ V = 16
 # -- the harness's own messages ---------------------------------------------------------------
 def rescore_mismatch(recorded: float, rescored: float, step: int = 7) -> dict:
     """An audit section whose batch ``step`` did not reproduce (``rescore.compare_rescore``)."""
-    from prism_challenge.rescore import AuditReport, compare_rescore
+    from prism_challenge.audit.rescore import AuditReport, compare_rescore
 
     pieces = {0: np.arange(16, dtype=np.int64).reshape(2, 8)}
     audits = {0: NS(recorded={0: 3.5}, sha256="aa" * 32, pieces=pieces),
@@ -60,7 +60,7 @@ def rescore_mismatch(recorded: float, rescored: float, step: int = 7) -> dict:
 
 def blind_mismatch(ref: float, got: float, step: int = 12, row: int = 1, k: int = 5) -> dict:
     """An audit section whose blind probe failed (``rescore.compare_blind``): every batch matched."""
-    from prism_challenge.rescore import compare_blind
+    from prism_challenge.audit.rescore import compare_blind
 
     tokens = np.zeros((2, 8), dtype=np.int64)
     tokens[row, k] = 3
@@ -77,7 +77,7 @@ def blind_mismatch(ref: float, got: float, step: int = 12, row: int = 1, k: int 
 
 def audit_error(**child) -> dict:
     """An audit section of an audit that could not run (``rescore._reply``'s error for ``child``)."""
-    from prism_challenge.rescore import AuditError, _reply
+    from prism_challenge.audit.rescore import AuditError, _reply
 
     from prism_challenge.evaluator.jail import Finished
 
@@ -90,7 +90,7 @@ def audit_error(**child) -> dict:
 
 def heldout_blind_error(full: float, seen: float) -> str:
     """``verdict.heldout_error`` of a failed held-out blind probe (``blindprobe.compare``)."""
-    from prism_challenge.blindprobe import BlindProbeError, compare
+    from prism_challenge.audit.blindprobe import BlindProbeError, compare
 
     batches = [np.zeros((2, 8), dtype=np.int64) for _ in range(5)]
     batches[4][0, 5] = 3
@@ -105,7 +105,7 @@ def heldout_causal_error() -> str:
     """``verdict.heldout_error`` of a model the in-process probe found not causal
     (``instrument.check_causal`` through ``heldout.submission_failure``)."""
     from prism_challenge.evaluator.instrument import ContractError, check_causal, target_logprobs
-    from prism_challenge.heldout import HeldoutError, submission_failure
+    from prism_challenge.audit.heldout import HeldoutError, submission_failure
 
     class Peek(torch.nn.Module):  # position t's logits are the next token's one-hot: it reads the future
         def forward(self, tokens):

@@ -18,7 +18,7 @@ from service_live import live_server
 from test_service_read import KEYS, _add, refused, scored
 
 from prism_challenge.failures import EvalFailure
-from prism_challenge.results import EvalResult, RunManifest, early_manifest
+from prism_challenge.manifest.results import EvalResult, RunManifest, early_manifest
 
 HEADER_RGB = (0x1D, 0x35, 0x57)  # base.html's header
 LINE_RGB = (0x1F, 0x77, 0xB4)  # matplotlib's C0: the plotted curve

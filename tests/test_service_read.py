@@ -19,7 +19,7 @@ import sr25519
 from service_live import TOKEN, live_server
 
 from prism_challenge.failures import EvalFailure
-from prism_challenge.results import EvalResult, RunManifest, early_manifest
+from prism_challenge.manifest.results import EvalResult, RunManifest, early_manifest
 from prism_challenge.service.routes.read import sample_indices
 from prism_challenge.service.signing import ss58_encode
 from prism_challenge.service.weights import weights

@@ -106,7 +106,7 @@ def test_the_stock_architecture_makes_no_author(tmp_path):
     """Bob sends `prism init`'s bundle first; Alice then trains the same template architecture
     better. Without the public-family rule Bob would be the "architecture author" of Alice's
     run and take family_share (0.6) of the weights for code the project wrote."""
-    from prism_challenge.scaffold import write_bundle
+    from prism_challenge.research.scaffold import write_bundle
     from service_live import BOB_SEED, TOKEN
     from test_service_read import scored
 
@@ -132,7 +132,7 @@ def test_the_stock_architecture_makes_no_author(tmp_path):
 
 def test_an_own_architecture_still_has_its_author(tmp_path):
     """The same two steps with an architecture nobody shipped: Alice's bundle is Bob's variant."""
-    from prism_challenge.scaffold import write_bundle
+    from prism_challenge.research.scaffold import write_bundle
     from service_live import BOB_SEED
 
     for name in ("own", "own2"):

@@ -16,7 +16,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from prism_challenge.failures import EvalFailure
-from prism_challenge.results import EvalResult, RunManifest, early_manifest
+from prism_challenge.manifest.results import EvalResult, RunManifest, early_manifest
 from prism_challenge.service.models import Base
 from prism_challenge.service.store import (
     NonceReused,

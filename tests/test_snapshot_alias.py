@@ -220,7 +220,7 @@ def test_a_lying_alias_rescores_another_model_and_fails_the_audit(tmp_path):
     the batch, the submission's fault, as any edited snapshot."""
     from prism_challenge.evaluator.jail import Jail
     from prism_challenge.evaluator.isolation import Limits
-    from prism_challenge.rescore import run_audit
+    from prism_challenge.audit.rescore import run_audit
 
     root, model, _ = _trained(tmp_path, "honest")
     (tmp_path / "art").mkdir()

@@ -8,8 +8,8 @@ import pytest
 
 from prism_challenge.evaluator.feeder import StepRecord
 from prism_challenge.profiles import ProfileError, load_profile
-from prism_challenge.scoring import curve
-from prism_challenge.verdict import (
+from prism_challenge.score.scoring import curve
+from prism_challenge.score.verdict import (
     Policy,
     VerdictError,
     anomaly,
@@ -308,8 +308,8 @@ def test_the_policy_sets_z_and_the_floor_and_older_profiles_are_told_what_change
 @pytest.mark.slow
 def test_an_honest_example_run_is_not_flagged_and_reports_the_measured_noise(tmp_path):
     from prism_challenge import EvalOptions, evaluate
-    from prism_challenge.gapnoise import ratio_se
-    from prism_challenge.run_manifest import load_run_manifest
+    from prism_challenge.score.gapnoise import ratio_se
+    from prism_challenge.manifest.run_manifest import load_run_manifest
 
     from helpers import EXAMPLE
 

@@ -15,11 +15,11 @@ import sys
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from prism_challenge import verify as verify_mod
-from prism_challenge.certificate import sign_manifest, user_key
+from prism_challenge.manifest import verify as verify_mod
+from prism_challenge.manifest.certificate import sign_manifest, user_key
 from prism_challenge.cli import main as prism
-from prism_challenge.run_manifest import MANIFEST_NAME
-from prism_challenge.verify_recompute import check_score, policy_of, recompute_verdict
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.verify_recompute import check_score, policy_of, recompute_verdict
 
 from helpers import EXAMPLE
 

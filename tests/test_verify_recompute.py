@@ -2,7 +2,7 @@
 the manifest records and with the loop's early stop, and the audit draws from the revealed secret.
 
 Each manifest starts from tests/data/scored_manifest.v2.json with its verdict rebuilt by
-:func:`prism_challenge.verdict.build_verdict` under a known policy: the independent path the
+:func:`prism_challenge.score.verdict.build_verdict` under a known policy: the independent path the
 recomputation must agree with, and disagree with once a field is edited."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from prism_challenge.evaluator.auditplan import drawn_steps
 from prism_challenge.profiles import load_profile
-from prism_challenge.verdict import Policy, build_verdict
-from prism_challenge.verify_recompute import Mismatch, check_draws, check_verdict, policy_of
+from prism_challenge.score.verdict import Policy, build_verdict
+from prism_challenge.manifest.verify_recompute import Mismatch, check_draws, check_verdict, policy_of
 
 FIXTURE = Path(__file__).parent / "data" / "scored_manifest.v2.json"
 SECRET = bytes(range(32))
@@ -115,7 +115,7 @@ def test_the_draws_are_the_secrets_and_a_removed_batch_or_a_hidden_secret_is_nam
 
 def test_the_reexecution_says_each_stage_and_each_tenth_with_the_runs_own_bpb_beside():
     from prism_challenge.events import BatchScored, StageCount, StageStarted
-    from prism_challenge.verify_reexecute import progress
+    from prism_challenge.manifest.verify_reexecute import progress
 
     per, cum_t, cum_b = [2.0, 1.0, 0.5], [10, 20, 30], [12, 24, 36]  # nats per target, cumulative targets/bytes
     m = {"stream": {"batches": 3}, "curve": {"nats_per_target": per, "cumulative_targets": cum_t,

@@ -5,9 +5,11 @@ A submission is a two-script bundle (``architecture.py`` with ``build_model(ctx)
 init on locked text, records the model's loss on every batch before the loop trains on it, and
 scores the run by prequential bits-per-byte.
 
-The pipeline, one module per stage:
-``bundle`` (intake) -> ``gates`` (static checks) -> ``evaluator`` (launcher, runner, instrument,
-feeder) -> ``scoring`` -> ``run_manifest`` (storage); ``pipeline`` runs them in order.
+The pipeline, one subpackage per stage, in the order a run takes them:
+``intake`` -> ``gates`` (static checks) -> ``data`` (the locked stream) -> ``evaluator`` (the
+isolated run: launcher, runner, instrument, feeder) -> ``audit`` (re-scoring, blind probes,
+held-out) -> ``score`` (prequential bpb, verdict) -> ``manifest`` (the signed record, verify);
+``research`` and ``service`` sit around them, and ``pipeline`` runs the stages in order.
 
 As a library::
 
@@ -27,8 +29,8 @@ _EXPORTS = {
     "evaluate": "prism_challenge.api",
     "EvalOptions": "prism_challenge.options",
     "OptionsError": "prism_challenge.options",
-    "EvalResult": "prism_challenge.results",
-    "RunManifest": "prism_challenge.results",
+    "EvalResult": "prism_challenge.manifest.results",
+    "RunManifest": "prism_challenge.manifest.results",
     "EvalFailure": "prism_challenge.failures",
     "FAILURE_KINDS": "prism_challenge.failures",
     "StageStarted": "prism_challenge.events",

@@ -1,7 +1,7 @@
 """The pipeline as a library: ``from prism_challenge import evaluate, EvalOptions``.
 
 :func:`evaluate` runs exactly what ``prism eval`` runs (:func:`prism_challenge.pipeline.evaluate`)
-and returns one result type, :class:`~prism_challenge.results.EvalResult`, for every outcome:
+and returns one result type, :class:`~prism_challenge.manifest.results.EvalResult`, for every outcome:
 scored, failed (with the failure's stage and kind, :mod:`prism_challenge.failures`) or
 cancelled. It raises only for a caller's bug (:class:`~prism_challenge.options.OptionsError`, a
 ``cancel`` or ``on_progress`` of the wrong type).
@@ -19,8 +19,8 @@ from prism_challenge.control import CANCELLED_MESSAGE, CancelSource, RunControl
 from prism_challenge.events import ProgressEvent, RunFinished
 from prism_challenge.failures import EvalFailure
 from prism_challenge.options import EvalOptions
-from prism_challenge.results import EvalResult, Failure, RunManifest, early_manifest
-from prism_challenge.run_manifest import MANIFEST_NAME
+from prism_challenge.manifest.results import EvalResult, Failure, RunManifest, early_manifest
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
 
 def evaluate(options: EvalOptions, *, cancel: CancelSource | None = None,

@@ -25,13 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_challenge.data.cli import add_data_parser
 
     add_data_parser(sub)
-    from prism_challenge.compare_report import add_compare_parser
+    from prism_challenge.research.compare_report import add_compare_parser
 
     add_compare_parser(sub)
-    from prism_challenge.scaffold import add_init_parser
+    from prism_challenge.research.scaffold import add_init_parser
 
     add_init_parser(sub)
-    from prism_challenge.verify import add_verify_parser
+    from prism_challenge.manifest.verify import add_verify_parser
 
     add_verify_parser(sub)
     from prism_challenge.runs_cli import add_runs_parser

@@ -25,7 +25,7 @@ from prism_challenge.options import (
 )
 from prism_challenge.evaluator import selftest
 from prism_challenge.failures import USAGE_STAGE
-from prism_challenge.bundle import SCORING_AUTOCAST
+from prism_challenge.intake.bundle import SCORING_AUTOCAST
 from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
 
 EXIT_SCORED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -224,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Run ``prism eval`` for parsed ``args``; returns the exit code (0 scored, 1 failed, 2 usage)."""
     from rich.console import Console
 
-    from prism_challenge.report import print_seed_stats, seed_stats
+    from prism_challenge.research.report import print_seed_stats, seed_stats
 
     human = Console(stderr=True) if args.json else Console()
     if args.seeds and args.seed is not None:
@@ -266,7 +266,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _usage(args: argparse.Namespace, console, message: str) -> int:
     from prism_challenge.failures import EvalFailure
-    from prism_challenge.report import print_failure
+    from prism_challenge.research.report import print_failure
 
     failure = EvalFailure(USAGE_STAGE, message)
     print_failure(_err(), failure)
@@ -287,7 +287,7 @@ def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]
     """One scored run with the progress bar; returns the exit code and the JSON summary."""
     from prism_challenge import pipeline as ev
     from prism_challenge.api import evaluate
-    from prism_challenge.report import print_failure, print_summary, summary_dict
+    from prism_challenge.research.report import print_failure, print_summary, summary_dict
 
     err = _err()
     if opts.isolation == "none":

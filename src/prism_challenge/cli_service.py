@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"prism serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from prism_challenge.certificate import CertificateError
+    from prism_challenge.manifest.certificate import CertificateError
     from prism_challenge.service.settings import default_signing_key_file
 
     from prism_challenge.service.registry import RegistryError
@@ -176,7 +176,7 @@ def _refused(exc, command: str) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """``prism submit``: local gates, zip, sign, upload, follow."""
-    from prism_challenge.bundle import BundleError
+    from prism_challenge.intake.bundle import BundleError
     from prism_challenge.gates.core import run_gates
     from prism_challenge.service.client import FOLLOW_POLL_S, ClientError, follow, health, upload, zip_bundle
     from prism_challenge.service.keys import KeyfileError, read_keyfile

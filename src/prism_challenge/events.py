@@ -77,9 +77,9 @@ class StageCount(_Event):
     """A part of a stage after the stream, with its count. Emitted with ``done`` None when the
     part starts (``re-scored`` and ``held-out batches``; the blind probes run in the re-scoring
     child), and with its count when it ends. The parts of ``heldout``: ``re-scored``
-    (audited batches re-scored in a fresh process, :mod:`prism_challenge.rescore`), ``blind
+    (audited batches re-scored in a fresh process, :mod:`prism_challenge.audit.rescore`), ``blind
     probes`` (rows probed blind, the same child), ``held-out batches`` (batches of val text
-    scored by the trained model and its twin, :mod:`prism_challenge.heldout`)."""
+    scored by the trained model and its twin, :mod:`prism_challenge.audit.heldout`)."""
 
     event: Literal["stage_count"] = "stage_count"
     stage: Stage

@@ -28,9 +28,9 @@ from prism_challenge.evaluator.jail import (
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES
 from prism_challenge.evaluator.launcher import MAX_NPROC
 from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
-from prism_challenge.bundle import SCORING_AUTOCAST
+from prism_challenge.intake.bundle import SCORING_AUTOCAST
 from prism_challenge.profiles import Profile
-from prism_challenge.verdict import Policy
+from prism_challenge.score.verdict import Policy
 
 DEFAULT_SEED = 1234
 DEFAULT_SEQ_LEN = 256
@@ -214,7 +214,7 @@ class EvalOptions:
     sandbox and is revealed in the manifest (``run_secret``) once the run has ended; pass a
     revealed one back only to repeat that run exactly (``prism verify --reexecute``).
     ``signing_key_file``: the ed25519 private key (PEM, mode 0600) that signs the manifest
-    (:mod:`~prism_challenge.certificate`); ``None``: the user's own key, created on first use.
+    (:mod:`~prism_challenge.manifest.certificate`); ``None``: the user's own key, created on first use.
 
     Test-only switches (never exposed on the command line): ``run_gates=False`` skips every gate,
     ``static_gates=False`` only the static ones (the parameter child still runs, in the jail),
@@ -280,7 +280,7 @@ class EvalOptions:
             if f.name in RULES or f.name in CHOICES or f.name in FLAGS:
                 object.__setattr__(self, f.name, check_field(f.name, getattr(self, f.name)))
         if not isinstance(self.policy, Policy):
-            raise OptionsError("policy", self.policy, "must be a prism_challenge.verdict.Policy")
+            raise OptionsError("policy", self.policy, "must be a prism_challenge.score.verdict.Policy")
         if self.profile is not None and not isinstance(self.profile, Profile):
             raise OptionsError("profile", self.profile, "must be a prism_challenge.profiles.Profile or None")
         if self.run_secret is not None and not (isinstance(self.run_secret, bytes) and len(self.run_secret) == 32):

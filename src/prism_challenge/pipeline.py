@@ -31,7 +31,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from prism_challenge import __version__, scratch
-from prism_challenge.auditstage import (
+from prism_challenge.audit.auditstage import (
     AUDIT_DIR,
     audit_run,
     child_config,
@@ -40,9 +40,9 @@ from prism_challenge.auditstage import (
     keep_bundle,
     twin_dtypes,
 )
-from prism_challenge.auditstage import apply as apply_audit
-from prism_challenge.bundle import Bundle, BundleError, load_bundle
-from prism_challenge.certificate import CertificateError, load_private_key, sign_manifest, user_key, user_key_path
+from prism_challenge.audit.auditstage import apply as apply_audit
+from prism_challenge.intake.bundle import Bundle, BundleError, load_bundle
+from prism_challenge.manifest.certificate import CertificateError, load_private_key, sign_manifest, user_key, user_key_path
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
@@ -60,12 +60,12 @@ from prism_challenge.failures import KILLED, REPORTED, TOKENIZER, USAGE_STAGE, E
 from prism_challenge.evaluator.gpu import CudaCheck, CudaCheckError, cpu_stack, gpu_count_error, start_cuda_check
 from prism_challenge.evaluator.gpu import manifest_record as gpu_record
 from prism_challenge.evaluator.sizing import run_sizes
-from prism_challenge.flops import run_spent
-from prism_challenge.frozen import FrozenBundle, freeze
-from prism_challenge.heldout import HeldoutError, run_heldout
+from prism_challenge.score.flops import run_spent
+from prism_challenge.intake.frozen import FrozenBundle, freeze
+from prism_challenge.audit.heldout import HeldoutError, run_heldout
 from prism_challenge.profiles import data_mismatch, manifest_record, prepare_hint
 from prism_challenge.evaluator.runner import ENV_SOCKET, ENV_TOKEN
-from prism_challenge.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
+from prism_challenge.research.report import C10D_HOSTNAME_WARNING, strip_launcher_dump
 from prism_challenge.options import (  # noqa: F401 - re-exported: the pipeline's settings and defaults
     DEFAULT_HELDOUT_BYTES,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -76,11 +76,11 @@ from prism_challenge.options import (  # noqa: F401 - re-exported: the pipeline'
     DEFAULT_THREADS,
     EvalOptions,
 )
-from prism_challenge.run_manifest import SCHEMA, discard_planted, write_run_manifest
-from prism_challenge.scoring import Score, ScoringError, curve, prequential_score
-from prism_challenge.scoringprecision import scoring_autocast, scoring_record
+from prism_challenge.manifest.run_manifest import SCHEMA, discard_planted, write_run_manifest
+from prism_challenge.score.scoring import Score, ScoringError, curve, prequential_score
+from prism_challenge.score.scoringprecision import scoring_autocast, scoring_record
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
-from prism_challenge.verdict import budget_share, build_verdict
+from prism_challenge.score.verdict import budget_share, build_verdict
 
 DONE_GRACE_S = 20.0  # after every rank reported DONE, torchrun gets this long to exit
 DRAIN_S = 5.0  # after torchrun exited, the feeder gets this long to read the ranks' last frames
@@ -658,7 +658,7 @@ def _audit_and_heldout(run: _After, frozen: FrozenBundle, run_dir: Path, artifac
     """Stage 5 of a scored run: the audit (re-scoring, blind probes), then the held-out
     evaluation, then the verdict: ``(audit report or None, verdict or None if cancelled first)``.
 
-    One emptied artifacts folder serves both stages (:func:`~prism_challenge.auditstage.empty_artifacts`;
+    One emptied artifacts folder serves both stages (:func:`~prism_challenge.audit.auditstage.empty_artifacts`;
     every child empties it again before it is fed). The jail is closed at the end: no spare
     child outlives the run."""
     opts, control, jail, result, score = run.opts, run.control, run.jail, run.result, run.score
@@ -711,9 +711,9 @@ def write_phases(path: Path, result: FeederResult, cpu_release: Any, wall_s: flo
 def _signed(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
     """The manifest in the typed model's JSON form (what the service stores and the API returns:
     it round-trips, so the signature holds there too) with its certificate
-    (:func:`~prism_challenge.certificate.sign_manifest`); unsigned when it has no canonical form
+    (:func:`~prism_challenge.manifest.certificate.sign_manifest`); unsigned when it has no canonical form
     (a non-finite figure: ``prism verify`` then refuses it)."""
-    from prism_challenge.results import RunManifest
+    from prism_challenge.manifest.results import RunManifest
 
     try:
         manifest = RunManifest.model_validate(manifest).to_json_dict()
@@ -958,7 +958,7 @@ def _one_line(error: str, log: Path) -> str:
 
 
 def _budgets(opts: EvalOptions) -> dict[str, Any]:
-    """The run manifest's ``budgets`` (also :func:`~prism_challenge.crown.budget_share`'s)."""
+    """The run manifest's ``budgets`` (also :func:`~prism_challenge.score.crown.budget_share`'s)."""
     return {"token_budget": opts.token_budget, "byte_budget": opts.byte_budget, "step_budget": opts.step_budget,
             "wall_clock_budget_s": opts.wall_clock_budget}
 

@@ -1,5 +1,5 @@
 """``prism runs``: the local run directories. ``prism runs prune`` removes the snapshots of the
-runs that are already verified (:mod:`prism_challenge.runs_prune`)."""
+runs that are already verified (:mod:`prism_challenge.manifest.runs_prune`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.runs_prune import DEFAULT_RUNS_DIR, RunPrune, plan_prune, prune
+from prism_challenge.manifest.runs_prune import DEFAULT_RUNS_DIR, RunPrune, plan_prune, prune
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -49,7 +49,7 @@ def _line(plan: RunPrune, dry_run: bool) -> str:
 def cmd_prune(args: argparse.Namespace) -> int:
     """``prism runs prune``: a line per run directory with snapshots (pruned, or kept and why), then
     the total freed; exit 0, 1 when a file could not be removed, 2 for a folder or key it cannot read."""
-    from prism_challenge.certificate import CertificateError, trusted_keys
+    from prism_challenge.manifest.certificate import CertificateError, trusted_keys
 
     keys = list(args.key) if args.key else None
     try:

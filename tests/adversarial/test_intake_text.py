@@ -20,8 +20,8 @@ import pytest
 from gatekit import EXAMPLE, SEED_TRAINING, arch, write_bundle
 
 from prism_challenge import cli
-from prism_challenge.bundle import BundleError, open_bundle
-from prism_challenge.bundlefiles import importable_elsewhere
+from prism_challenge.intake.bundle import BundleError, open_bundle
+from prism_challenge.intake.bundlefiles import importable_elsewhere
 from prism_challenge.gates import INTAKE_RULES, RULES, run_gates
 from prism_challenge.gates.cli import add_check_parser
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bundles  # noqa: E402
 from prism_challenge.pipeline import EvalOptions, evaluate  # noqa: E402
 from prism_challenge.evaluator import isolation  # noqa: E402
-from prism_challenge.frozen import freeze  # noqa: E402
+from prism_challenge.intake.frozen import freeze  # noqa: E402
 from prism_challenge.gates import parameter_gate, run_gates  # noqa: E402
-from prism_challenge.bundle import load_bundle  # noqa: E402
+from prism_challenge.intake.bundle import load_bundle  # noqa: E402
 
 needs_sandbox = pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
 
@@ -236,7 +236,7 @@ def _descends_from(pid: str, ancestor: str) -> bool:
 def _sample(stop: threading.Event, seen: dict[str, set[str]]) -> None:
     host, me = os.readlink("/proc/self/ns/net"), str(os.getpid())
     kinds = {"prism_challenge.gates.param_count": "param", "prism_challenge.evaluator.rank": "rank",
-             "prism_challenge.heldout": "heldout"}
+             "prism_challenge.audit.heldout": "heldout"}
     while not stop.is_set():
         for pid in os.listdir("/proc"):
             if not pid.isdigit():

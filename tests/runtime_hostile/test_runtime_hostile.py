@@ -6,7 +6,7 @@ unless the test is about them: these bundles must be stopped by the runtime sand
 The integration used (evaluate.py): ``EvalOptions.isolation`` ("strict" default, "none"),
 ``memory_limit_bytes`` (RLIMIT_AS per process), ``max_processes`` (RLIMIT_NPROC of the sandbox
 uid); the manifest's ``isolation`` ({"mode", "backend", "guard": {"uid", ...}, ...}) and
-``verdict`` (``prism_challenge.verdict.Verdict.to_dict()``, the held-out figures in
+``verdict`` (``prism_challenge.score.verdict.Verdict.to_dict()``, the held-out figures in
 ``verdict["heldout"]``). Tests skip, saying so, where those are missing.
 """
 
@@ -33,7 +33,7 @@ from prism_challenge.data.manifest import load_manifest
 from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator import isolation
 from prism_challenge.evaluator.isolation import tasks_of_uid
-from prism_challenge.run_manifest import MANIFEST_NAME, SCHEMA
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME, SCHEMA
 
 pytestmark = pytest.mark.slow
 
@@ -388,7 +388,7 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
     # planted into the frozen copy once intake passed (only the trusted side could): the gates'
     # parameter child, every rank and the held-out child still read the source
     shutil.rmtree(bundle / "__pycache__")
-    from prism_challenge import frozen as frozen_mod
+    from prism_challenge.intake import frozen as frozen_mod
 
     real_freeze, real_gates = ev.freeze, ev._static_gates
     seen_by_check = {"update": True}

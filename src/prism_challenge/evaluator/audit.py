@@ -3,7 +3,7 @@
 :func:`arm` installs one ``sys.addaudithook`` hook after the harness's own imports and warm-up
 and before the bundle is imported: in every rank (:mod:`~prism_challenge.evaluator.runner`), the
 parameter-cap child (:mod:`~prism_challenge.gates.param_count`) and the held-out and blind-probe
-children (:mod:`~prism_challenge.heldout`). CPython offers no way to remove an audit hook, so it
+children (:mod:`~prism_challenge.audit.heldout`). CPython offers no way to remove an audit hook, so it
 holds for the rest of the process, even where the static gate missed a path. It refuses:
 
 * ``ctypes.*`` (``dlopen`` and the rest), extension modules loaded from outside the

@@ -12,7 +12,7 @@ the forward could have stored in them from the batch itself. It sends it on a th
 while the loop trains on the batch (:mod:`~prism_challenge.evaluator.snapsend`), and its request
 for the next batch follows the snapshot, so the feeder holds the snapshot, written and hashed,
 before batch ``k + 1`` exists for the rank. After the stream, fresh sandboxed processes rebuild the
-model, load each snapshot and score its batch again (:mod:`prism_challenge.rescore`).
+model, load each snapshot and score its batch again (:mod:`prism_challenge.audit.rescore`).
 
 **Schedule: harmonic, keyed on the run's secret.** Batch 0 is always audited; every later
 batch ``k`` is audited when ``u_k < r_k``, ``r_k = min(1, A / k)`` (:func:`rate_at`), with ``u_k
@@ -48,7 +48,7 @@ min(1, A / k) ~ A (1 + ln(n / A))`` (:func:`expected_audits`): at the example's 
 which only the tokenizing of the probes' text overlaps; each child's reading of its snapshots;
 the inputs written for ``prism verify``) plus per audited batch ``c = 0.35 + 0.3 p`` s (a build,
 load, forward and scoring in the re-scoring child, one forward per blind pass ``p`` in the
-blind child: :data:`~prism_challenge.rescore.BLIND_PASSES` ``= 1``), against about 210 s for
+blind child: :data:`~prism_challenge.audit.rescore.BLIND_PASSES` ``= 1``), against about 210 s for
 the unaudited run (200k tokens of ``examples/tiny-1m`` on 2 CPU cores, 197 batches). Share
 ``(s + E c) / (210 + s + E c)``: ``A = 3``: ``E = 16.1``, 6.9 %; ``A = 4``: 20.1, 7.9 %; ``A =
 5``: 23.9, 8.9 %; ``A = 6``: 27.5, 9.8 %; ``A = 8``: 34.1, 11.5 %; ``A = 12``: 46.1, 14.3 %.

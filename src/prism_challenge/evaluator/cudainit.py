@@ -9,8 +9,8 @@ started, and a bundle that called ``torch.cuda.device_count()`` died in any chil
 
 :func:`start_cuda` is the one prologue every child that runs the model on CUDA calls before
 :func:`~prism_challenge.evaluator.audit.arm`: the rank (:mod:`~prism_challenge.evaluator.runner`),
-the audit's re-scoring child (:mod:`~prism_challenge.rescore_child`), the held-out child and the
-blind probe (:mod:`~prism_challenge.heldout`). It initialises CUDA, selects the device and fills
+the audit's re-scoring child (:mod:`~prism_challenge.audit.rescore_child`), the held-out child and the
+blind probe (:mod:`~prism_challenge.audit.heldout`). It initialises CUDA, selects the device and fills
 torch's device-count cache, so NVML is never loaded once the hook is armed. The hook also admits
 exactly torch's own NVML load from torch's own frames (:mod:`~prism_challenge.evaluator.gpuadmit`)
 for what the prologue cannot foresee (a device-count cache torch empties again).

@@ -1,7 +1,7 @@
 """A rank's DONE header, kept to the fields and types the trusted side reads.
 
 The header is the untrusted side's word (a submission in the rank's process can send any JSON
-object). Its fields reach the run manifest (:class:`~prism_challenge.results.RunManifest`:
+object). Its fields reach the run manifest (:class:`~prism_challenge.manifest.results.RunManifest`:
 ``compute.device_name``, ``compute.peak_rss_bytes``, ``model.state_sha256`` ...), whose model
 refuses a wrong type; a refusal there raised out of :func:`prism_challenge.api.evaluate`, which
 the service reads as the harness's own fault (stage ``dispatch``, kind ``infrastructure``) and

@@ -94,7 +94,7 @@ blocks of whole rows (or, for a row larger than this, of positions of one row), 
 adds a second ``[B, T, V]`` float32 tensor to the model's logits."""
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``prism.yaml``'s ``scoring_autocast`` values (:data:`prism_challenge.bundle.SCORING_AUTOCAST`)
+"""``prism.yaml``'s ``scoring_autocast`` values (:data:`prism_challenge.intake.bundle.SCORING_AUTOCAST`)
 -> the autocast dtype the harness runs its scoring forwards under (``None``: no autocast)."""
 
 

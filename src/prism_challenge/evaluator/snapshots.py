@@ -63,7 +63,7 @@ class SnapshotStore:
     whole on the trusted side (one frame, one tensor, at a time), and the digest is known when
     the last byte is written. The file lives in the trusted side's audit folder, which no jailed
     process can write: the bytes hashed are the bytes the audit later feeds its children (who
-    hash them again as they are fed, :mod:`~prism_challenge.rescore`).
+    hash them again as they are fed, :mod:`~prism_challenge.audit.rescore`).
 
     Args:
         directory: where the files go (created on first use).

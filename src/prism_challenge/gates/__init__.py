@@ -9,7 +9,7 @@ Public API::
     report.param_count                            # unique parameter+buffer elements
 
 An unreadable bundle (missing, not a zip, an intake rule such as ``prism:zip-symlink``) raises
-:class:`prism_challenge.bundle.BundleError` instead of returning a report (``prism check``
+:class:`prism_challenge.intake.bundle.BundleError` instead of returning a report (``prism check``
 exits 2); every other broken rule is a :class:`Finding` (exit 1 when one blocks). The CLI
 subcommand lives in :mod:`prism_challenge.gates.cli`.
 """

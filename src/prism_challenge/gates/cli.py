@@ -1,7 +1,7 @@
 """``prism check BUNDLE [--json]``: run the static gates and print the findings.
 
 Exit status: 0 when nothing blocks, 1 when a finding blocks, 2 when the bundle cannot be read
-(a :class:`~prism_challenge.bundle.BundleError`, e.g. a zip-hardening rule) or the request is
+(a :class:`~prism_challenge.intake.bundle.BundleError`, e.g. a zip-hardening rule) or the request is
 invalid (``--nproc 0``).
 """
 
@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from prism_challenge.bundle import BundleError
+from prism_challenge.intake.bundle import BundleError
 from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.gates.core import DEFAULT_MAX_PARAMETERS, run_gates
 from prism_challenge.gates.findings import GateReport

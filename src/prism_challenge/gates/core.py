@@ -1,6 +1,6 @@
 """``run_gates``: every static gate in order, before any training.
 
-1. intake (:func:`prism_challenge.bundle.open_bundle`): directory or hardened ``.zip``, UTF-8
+1. intake (:func:`prism_challenge.intake.bundle.open_bundle`): directory or hardened ``.zip``, UTF-8
    text files only, no module named like one importable from elsewhere;
 2. ``prism.yaml``, entrypoint files and symbols, UTF-8 and syntax of every own ``.py``
    (:mod:`prism_challenge.gates.ownmodules`: no import from a folder without ``__init__.py``);
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
 
-from prism_challenge.bundle import (
+from prism_challenge.intake.bundle import (
     Bundle,
     BundleError,
     Entrypoint,
@@ -29,7 +29,7 @@ from prism_challenge.bundle import (
     hash_tree,
     read_spec,
 )
-from prism_challenge.frozen import freeze
+from prism_challenge.intake.frozen import freeze
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.complexity import deepest, guarded
 from prism_challenge.gates.contract import check_contract, launch_findings

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.bundle import Bundle
+from prism_challenge.intake.bundle import Bundle
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class GateReport:
         """Hold ``extracted`` (the frozen copy) as :attr:`extracted_dir`: removed by :meth:`cleanup`,
         or when the report is garbage-collected, or at interpreter exit, whichever comes first
         (``weakref.finalize``): a caller that forgets :meth:`cleanup` leaves no folder behind."""
-        from prism_challenge.frozen import remove_tree
+        from prism_challenge.intake.frozen import remove_tree
 
         self.extracted_dir = extracted
         self._removal = weakref.finalize(self, remove_tree, extracted)
@@ -101,12 +101,12 @@ class GateReport:
         return any(f.blocking for f in self.findings)
 
     def cleanup(self) -> None:
-        """Remove the bundle's frozen copy (:func:`prism_challenge.frozen.freeze`)."""
+        """Remove the bundle's frozen copy (:func:`prism_challenge.intake.frozen.freeze`)."""
         if self._removal is not None:
             self._removal()  # once: a finalizer that ran is dead
             self._removal = None
         elif self.extracted_dir is not None:
-            from prism_challenge.frozen import remove_tree
+            from prism_challenge.intake.frozen import remove_tree
 
             remove_tree(self.extracted_dir)
         self.extracted_dir = None

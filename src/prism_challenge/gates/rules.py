@@ -1,6 +1,6 @@
 """The gate rule ids: stable names, one line each.
 
-Intake rules are raised as :class:`prism_challenge.bundle.BundleError` (``.rule``): the bundle
+Intake rules are raised as :class:`prism_challenge.intake.bundle.BundleError` (``.rule``): the bundle
 cannot be read and ``prism check`` exits 2. Every other rule is a
 :class:`prism_challenge.gates.Finding` (exit 1 when it blocks).
 """

@@ -25,8 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.bundle import SCORING_AUTOCAST
-from prism_challenge.verdict import Policy
+from prism_challenge.intake.bundle import SCORING_AUTOCAST
+from prism_challenge.score.verdict import Policy
 
 SCHEMA = "prism.profile.v1"
 DEFAULT_PROFILE = "local"

@@ -36,7 +36,7 @@ from prism_challenge.service.routes import ops, pages, read, submit
 from prism_challenge.service.settings import ServiceSettings, publish_key
 from prism_challenge.service.slowclients import header_timeout_protocol
 from prism_challenge.service.store import Store
-from prism_challenge.verdict import Policy
+from prism_challenge.score.verdict import Policy
 
 log = logging.getLogger("prism.service")
 INTAKES_AT_ONCE = max(1, min(4, (os.cpu_count() or 2) // 2))

@@ -1,6 +1,6 @@
 """Unpacking a submitted zip safely, at the service's intake (issue 17, item 3).
 
-The zip rules themselves are :func:`prism_challenge.bundle.extract_zip`'s, defined once there and
+The zip rules themselves are :func:`prism_challenge.intake.bundle.extract_zip`'s, defined once there and
 shared with ``prism eval BUNDLE.zip`` (the stdlib :mod:`zipfile` reads the archive): every member
 is checked from the central directory before a byte is written (member count, declared total
 size, per-member compression ratio, absolute or parent-relative names, names another extractor
@@ -8,7 +8,7 @@ would resolve outside the target, symlinks and special files, duplicates, encryp
 then each regular file is inflated with ``O_EXCL | O_NOFOLLOW`` while the bytes actually read
 are counted against its declared size and the total (a lying header is caught while streaming).
 A single top-level folder is the bundle root. Then the bundle's text-only rules of
-:mod:`prism_challenge.bundlefiles` apply (UTF-8 text of the bundle's kinds, no bytecode, ...).
+:mod:`prism_challenge.intake.bundlefiles` apply (UTF-8 text of the bundle's kinds, no bytecode, ...).
 
 This module gives the service one error type with a short, stable ``code`` for the HTTP answer
 (:data:`CODES`), keeping the bundle rule id (``prism:zip-ratio``) as ``rule``.
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from prism_challenge import scratch
-from prism_challenge.bundle import BundleError, IntakeLimits, extract_zip
+from prism_challenge.intake.bundle import BundleError, IntakeLimits, extract_zip
 
 CODES = {
     "not-a-zip": ("prism:bad-zip", "prism:bundle-unreadable"),

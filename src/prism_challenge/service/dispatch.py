@@ -55,7 +55,7 @@ from typing import Any
 
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
-from prism_challenge.results import EvalResult
+from prism_challenge.manifest.results import EvalResult
 from prism_challenge.service.capacity import CannotEvaluate, check_capacity, expire_leases
 from prism_challenge.service.recovery import Reconciled, kill_actor, reconcile
 from prism_challenge.service.store import DEFAULT_MAX_ATTEMPTS, Claim, Store, TransitionError

@@ -7,11 +7,11 @@ says why in the words of a proof (:func:`finding_of`; the first row that matches
 - ``audit.mismatch`` set (flag ``audit``): an audited batch whose re-scoring, from the weights
   that scored it in a fresh process, did not reproduce its record (``rescore``), or a blind probe
   of an audited batch that gave the true token other nats once its row went on with other text
-  (``blind_probe``). :mod:`prism_challenge.rescore` sets ``mismatch`` only for these two.
+  (``blind_probe``). :mod:`prism_challenge.audit.rescore` sets ``mismatch`` only for these two.
 - ``audit.error`` starting ``refused: `` (flag ``audit``, kind ``audit_refused``): the audit's
   children failed of the submission's own doing (its exception or crash while re-scoring, an
   audit-hook refusal), twice, the second time in fresh processes of one snapshot each, on the
-  weights and batches the run itself scored without failing (:data:`prism_challenge.rescore.REFUSED`:
+  weights and batches the run itself scored without failing (:data:`prism_challenge.audit.rescore.REFUSED`:
   a cheat that raises only where it is re-scored would otherwise trade its finding for a zero).
 - ``verdict.heldout_error`` naming a causality failure (flag ``heldout_contract``): the trained
   model's predictions on held-out text moved when only later tokens changed (the in-process
@@ -46,7 +46,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from prism_challenge.rescore import REFUSED
+from prism_challenge.audit.rescore import REFUSED
 from prism_challenge.service.models import Finding, Submitter, storable
 
 log = logging.getLogger("prism_challenge.service")
@@ -72,10 +72,10 @@ PROVEN_CHEATS: tuple[Caught, ...] = (
            "contract: the trained model is not causal"),
 )
 """The flags and fields that make a finding, first match first (see the module's docstring):
-``audit.mismatch`` is set by :func:`prism_challenge.rescore.compare_rescore` and
-:func:`~prism_challenge.rescore.compare_blind` only; ``audit.error`` is a finding only with the
-prefix :data:`prism_challenge.rescore.REFUSED` (the submission's own failure, twice);
-``verdict.heldout_error`` is a ``contract:`` error of :mod:`prism_challenge.heldout` (flag
+``audit.mismatch`` is set by :func:`prism_challenge.audit.rescore.compare_rescore` and
+:func:`~prism_challenge.audit.rescore.compare_blind` only; ``audit.error`` is a finding only with the
+prefix :data:`prism_challenge.audit.rescore.REFUSED` (the submission's own failure, twice);
+``verdict.heldout_error`` is a ``contract:`` error of :mod:`prism_challenge.audit.heldout` (flag
 ``heldout_contract``), of which only the two causality probes' count."""
 KINDS = tuple(c.kind for c in PROVEN_CHEATS)
 
@@ -145,7 +145,7 @@ def _int(text: str | None) -> int | None:
 
 def _facts(kind: str, message: str, manifest: dict[str, Any]) -> Facts:
     """The step, place and figures of ``message`` (the manifest's own words, see
-    :mod:`prism_challenge.rescore` and :mod:`prism_challenge.blindprobe`); a ``rescore``'s
+    :mod:`prism_challenge.audit.rescore` and :mod:`prism_challenge.audit.blindprobe`); a ``rescore``'s
     figures are the audited batch's exact ``recorded_nats`` and ``rescored_nats`` when the
     manifest lists the batch. Parts the text does not give stay ``None``."""
     step = rank = row = None

@@ -69,7 +69,7 @@ def scored_runs(store: Store, submission_id: int) -> list[Run]:
 
 @dataclass(frozen=True)
 class Entry:
-    """One scored submission as :func:`prism_challenge.verdict.rank` reads it (attribute names
+    """One scored submission as :func:`prism_challenge.score.verdict.rank` reads it (attribute names
     are its keys) plus what the leaderboard shows.
 
     Over the submission's scored runs (issue 29: several once confirmed): ``prequential_bpb``

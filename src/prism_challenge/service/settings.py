@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from prism_challenge.bundle import IntakeLimits
+from prism_challenge.intake.bundle import IntakeLimits
 
 CONFIG_ENV = "PRISM_CONFIG"
 _LIMITS = IntakeLimits()
@@ -213,7 +213,7 @@ def default_signing_key_file() -> Path:
     the SQLite database and the blobs)."""
     from platformdirs import user_data_dir
 
-    from prism_challenge.certificate import KEY_FILE_NAME
+    from prism_challenge.manifest.certificate import KEY_FILE_NAME
 
     named = os.environ.get(SIGNING_KEY_ENV)
     return Path(named) if named else Path(user_data_dir("prism-challenge")) / KEY_FILE_NAME
@@ -224,10 +224,10 @@ def signing_key(settings: ServiceSettings) -> tuple[object, Path]:
     else :func:`default_signing_key_file`, created (mode 0600, folder 0700) when absent.
 
     Raises:
-        prism_challenge.certificate.CertificateError: the file is missing (when named), readable
+        prism_challenge.manifest.certificate.CertificateError: the file is missing (when named), readable
             by its group or others, or not an ed25519 key.
     """
-    from prism_challenge.certificate import create_key_file, load_private_key
+    from prism_challenge.manifest.certificate import create_key_file, load_private_key
 
     if settings.signing_key_file is not None:
         return load_private_key(settings.signing_key_file), Path(settings.signing_key_file)
@@ -242,9 +242,9 @@ def publish_key(settings: ServiceSettings) -> dict[str, str]:
     service publishes: ``{"signing_public_key": base64 raw key, "signing_key_id": 16 hex}``.
 
     Raises:
-        prism_challenge.certificate.CertificateError: see :func:`signing_key`.
+        prism_challenge.manifest.certificate.CertificateError: see :func:`signing_key`.
     """
-    from prism_challenge.certificate import key_id, public_key_text
+    from prism_challenge.manifest.certificate import key_id, public_key_text
 
     import base64
 

@@ -41,7 +41,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from prism_challenge.failures import CANCELLED, INFRASTRUCTURE, SUBMISSION
-from prism_challenge.results import EvalResult
+from prism_challenge.manifest.results import EvalResult
 from prism_challenge.service.confirm import draw_seed, runs_wanted
 from prism_challenge.service.findings import record_finding
 from prism_challenge.service.models import Attempt, Dispatcher, Nonce, Run, Submission, Submitter, storable, utcnow

@@ -29,7 +29,7 @@ from sqlalchemy import exc as sa_exc
 
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import Profile
-from prism_challenge.results import EvalResult
+from prism_challenge.manifest.results import EvalResult
 from prism_challenge.service.store import Claim
 from prism_challenge.service.worker import failure_result
 

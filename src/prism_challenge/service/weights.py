@@ -2,7 +2,7 @@
 
 Both start from the scored entries of the service's profile
 (:func:`prism_challenge.service.queries.scored_entries`) and order them with
-:func:`prism_challenge.verdict.rank` under the profile's ``significance_p`` (the crown rule, the
+:func:`prism_challenge.score.verdict.rank` under the profile's ``significance_p`` (the crown rule, the
 one ranking of the challenge: ``prism compare`` uses it too).
 
 Leaderboard (:func:`leaderboard`): one entry per hotkey, its best run: the hotkey's first entry
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prism_challenge.service.queries import Entry
-from prism_challenge.verdict import DEFAULT_SIGNIFICANCE_P, rank
+from prism_challenge.score.verdict import DEFAULT_SIGNIFICANCE_P, rank
 
 
 def leaderboard(entries: Iterable[Entry], significance_p: float = DEFAULT_SIGNIFICANCE_P, *,
@@ -39,7 +39,7 @@ def leaderboard(entries: Iterable[Entry], significance_p: float = DEFAULT_SIGNIF
     """One entry per hotkey (its best), in rank order; the hotkeys of ``excluded`` left out.
 
     Raises:
-        prism_challenge.verdict.VerdictError: a non-finite bpb (a harness bug) or ``significance_p``
+        prism_challenge.score.verdict.VerdictError: a non-finite bpb (a harness bug) or ``significance_p``
             outside (0, 1).
     """
     best: dict[str, Entry] = {}
@@ -59,7 +59,7 @@ def weights(entries: Iterable[Entry], rule: str, *, family_share: float = 0.6,
         family_share: ``family-split``'s share of the family's author, in [0, 1].
         owner_of: the hotkey of a submission id (the family's first submission may have no
             scored run).
-        significance_p: the crown rule's level (:func:`prism_challenge.verdict.rank`).
+        significance_p: the crown rule's level (:func:`prism_challenge.score.verdict.rank`).
         excluded: suspended hotkeys: no entry of theirs is ranked, no share paid to them.
 
     Raises:

@@ -29,7 +29,7 @@ from typing import Any
 from prism_challenge import __version__, scratch
 from prism_challenge.failures import EvalFailure
 from prism_challenge.profiles import Profile, manifest_record, resolve
-from prism_challenge.results import EvalResult, Failure, early_manifest
+from prism_challenge.manifest.results import EvalResult, Failure, early_manifest
 
 NAMESPACE = "prism"
 ACTOR_PREFIX = "prism-eval-"

@@ -1,6 +1,6 @@
 """The service's web pages, rendered on the server (Jinja2, autoescaped; no JavaScript): the
 leaderboard (``/``), a submission with its learning-curve plot (``/submissions/{id}``, the PNG
-at ``/submissions/{id}/curve.png`` drawn by :mod:`prism_challenge.plots`, the comparison
+at ``/submissions/{id}/curve.png`` drawn by :mod:`prism_challenge.research.plots`, the comparison
 plots), a hotkey's findings and suspension (``/hotkeys/{hotkey}``) and "how to submit"
 (``/how-to-submit``). They show the JSON routes' data
 (:func:`~prism_challenge.service.routes.read.board`,
@@ -78,8 +78,8 @@ def curve_png(request: Request, sid: int = SubmissionId) -> Response:
     """The learning curves as PNG: every scored run of the submission (its first run and its
     confirmation runs, each named by its run and revealed seed), per-batch (thin) and cumulative
     (thick) bpb against bytes, and with two runs or more their mean with a band of ±1 sample std
-    (:func:`~prism_challenge.plots.group_band`)."""
-    from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve
+    (:func:`~prism_challenge.research.plots.group_band`)."""
+    from prism_challenge.research.plots import PlotError, figure_bytes, learning_curve_figure, run_curve
 
     submission_view(request, sid)  # 404 for an unknown id
     runs = scored_runs(request.app.state.store, sid) or [r for r in [latest_run(request.app.state.store, sid)] if r]

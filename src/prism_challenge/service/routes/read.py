@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Request
 
-from prism_challenge.crown import welch_p
+from prism_challenge.score.crown import welch_p
 from prism_challenge.data.refcodes import CODECS, against_best
 from prism_challenge.service import findings as fnd
 from prism_challenge.service.errors import ApiError
@@ -147,13 +147,13 @@ def sample_indices(n: int, most: int = MAX_CURVE_POINTS) -> list[int]:
 def curve_points(manifest: dict) -> tuple[list[dict], int]:
     """The run's learning curve as ``[{"batch", "bytes", "batch_bpb", "cumulative_bpb"}]``
     (at most :data:`MAX_CURVE_POINTS`, :func:`sample_indices`) and the number of batches.
-    Per-batch and cumulative bpb as :func:`prism_challenge.plots.run_curve` defines them
+    Per-batch and cumulative bpb as :func:`prism_challenge.research.plots.run_curve` defines them
     (``nan`` -> ``None``).
 
     Raises:
-        prism_challenge.plots.PlotError: the manifest has no curve.
+        prism_challenge.research.plots.PlotError: the manifest has no curve.
     """
-    from prism_challenge.plots import run_curve
+    from prism_challenge.research.plots import run_curve
 
     curve = run_curve(manifest, "run")
     n = len(curve.cumulative_bytes)
@@ -177,7 +177,7 @@ def _run_manifest(request: Request, sid: int) -> dict:
 @router.get("/v1/submissions/{sid}/curve", summary="the learning curve, at most 500 points (first and last kept)")
 def get_curve(request: Request, sid: int = SubmissionId) -> dict:
     """Bits per byte against bytes scored, per batch and cumulative."""
-    from prism_challenge.plots import PlotError
+    from prism_challenge.research.plots import PlotError
 
     try:
         points, batches = curve_points(_run_manifest(request, sid))
@@ -206,7 +206,7 @@ def board(request: Request) -> list[dict]:
 
 def _p_vs_leader(entry: Any, leader: Any) -> float | None:
     """The crown rule's one-sided Welch p that ``entry``'s mean bpb is lower than the leader's
-    (:func:`~prism_challenge.crown.welch_p`), or ``None`` when either has fewer than 2 runs
+    (:func:`~prism_challenge.score.crown.welch_p`), or ``None`` when either has fewer than 2 runs
     (the test is not defined)."""
     if len(entry.bpbs) < 2 or len(leader.bpbs) < 2:
         return None

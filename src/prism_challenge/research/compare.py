@@ -6,12 +6,12 @@ repeat's). Runs are *comparable* when they share the comparability key (:func:`c
 the profile (name and sha256), the data MANIFEST sha256, the tokenizer basis (``bytes`` when no
 token or step budget makes the covered text depend on the tokenizer, else the tokenizer), the
 budgets and the world size. Each comparable group's runs are ranked by
-:func:`prism_challenge.verdict.rank` (each run an entry; a run stopped under 99 % of its budget
-is ``short``: :func:`prism_challenge.crown.is_short`); when there is more than one group a
+:func:`prism_challenge.score.verdict.rank` (each run an entry; a run stopped under 99 % of its budget
+is ``short``: :func:`prism_challenge.score.crown.is_short`); when there is more than one group a
 warning names the fields that differ. Seed repeats (same bundle sha256, same key and settings,
 different seeds) are summarised as mean and sample standard deviation (``statistics.stdev``,
 ddof=1). Every variant (a bundle and its settings, :func:`variant`) is then a group of seed
-runs, ranked by the crown rule (:func:`crown`: :func:`prism_challenge.crown.rank_groups`), with
+runs, ranked by the crown rule (:func:`crown`: :func:`prism_challenge.score.crown.rank_groups`), with
 the one-sided Welch p against the first and the difference in mean bpb with its 95 % interval.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.run_manifest import MANIFEST_NAME, load_run_manifest
-from prism_challenge.crown import (
+from prism_challenge.manifest.run_manifest import MANIFEST_NAME, load_run_manifest
+from prism_challenge.score.crown import (
     DEFAULT_SIGNIFICANCE_P,
     Difference,
     RankedGroup,
@@ -36,7 +36,7 @@ from prism_challenge.crown import (
     rank_groups,
     welch_difference,
 )
-from prism_challenge.verdict import rank
+from prism_challenge.score.verdict import rank
 
 KEY_FIELDS = ("profile", "data", "tokenizer basis", "budgets", "world size")
 
@@ -66,7 +66,7 @@ class Run:
             "prequential_bpb") is not None
 
     def entry(self) -> dict[str, Any]:
-        """The mapping :func:`~prism_challenge.verdict.rank` takes."""
+        """The mapping :func:`~prism_challenge.score.verdict.rank` takes."""
         m, v = self.manifest, self.manifest.get("verdict") or {}
         flags = list(v.get("flags", ["heldout_unavailable"] if not v else []))
         return {
@@ -146,7 +146,7 @@ def comparability(m: dict[str, Any]) -> dict[str, Any]:
 
 def group_runs(runs: Sequence[Run]) -> list[Group]:
     """Scored runs split into comparable groups (first appearance order), each ranked by
-    :func:`~prism_challenge.verdict.rank`."""
+    :func:`~prism_challenge.score.verdict.rank`."""
     groups: list[Group] = []
     for r in runs:
         if not r.scored:
@@ -210,11 +210,11 @@ class CrownRow:
     """One variant of a group ranked by the crown rule.
 
     Attributes:
-        ranked: its place and figures (:class:`~prism_challenge.crown.RankedGroup`; bpb).
+        ranked: its place and figures (:class:`~prism_challenge.score.crown.RankedGroup`; bpb).
         label: the bundle's directory name (``#2``... added when two variants share it).
         runs: its runs, in the group's order.
         vs_leader: ``mean - leader's mean`` with its 95 % Welch interval and p
-            (:func:`~prism_challenge.crown.welch_difference`); ``None`` for the leader and where
+            (:func:`~prism_challenge.score.crown.welch_difference`); ``None`` for the leader and where
             either side has fewer than 2 runs.
     """
 
@@ -226,7 +226,7 @@ class CrownRow:
 
 def crown(group: Group, p: float = DEFAULT_SIGNIFICANCE_P) -> list[CrownRow]:
     """The group's variants (:func:`variant`: a bundle and its settings; its seed runs) ranked by
-    :func:`~prism_challenge.crown.rank_groups`: order by the earliest ``created_at`` of each; short
+    :func:`~prism_challenge.score.crown.rank_groups`: order by the earliest ``created_at`` of each; short
     when any of its runs is. Each row compared with its tier's first (:class:`CrownRow`)."""
     by: dict[str, list[Run]] = {}
     for r in group.runs:

@@ -1,4 +1,4 @@
-"""The held-out stage's blind causality probe (see :mod:`prism_challenge.heldout`).
+"""The held-out stage's blind causality probe (see :mod:`prism_challenge.audit.heldout`).
 
 The in-process probe can be answered from a cache by a model that remembers the rows it has just
 scored. So for up to :data:`BLIND_PROBES` held-out rows the trained model's log-probability of a

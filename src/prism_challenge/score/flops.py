@@ -4,7 +4,7 @@
   run's scoring autocast and attention kernels, :func:`~prism_challenge.evaluator.instrument.scoring_forward`)
   per distinct rank slice shape ``[B, T]`` the stream scored, keyed ``"BxT"`` (:func:`shape_key`).
   Measured once per shape with :class:`torch.utils.flop_counter.FlopCounterMode` by the audit's
-  re-scoring child (:mod:`~prism_challenge.rescore_child`): a fresh sandboxed process the harness
+  re-scoring child (:mod:`~prism_challenge.audit.rescore_child`): a fresh sandboxed process the harness
   starts, which rebuilds the scored model from the bundle and loads the weights of an audited
   batch. The figure is never taken from the ranks nor from anything the loop says, so nothing the
   loop does in its own process changes it.
@@ -217,7 +217,7 @@ def spent(forward: Mapping[str, int] | None, counts: Mapping[str, int], *, strea
 def run_spent(audit: Any, steps: Sequence[Any], *, stream_wall_s: float | None, run_wall_s: float,
               world_size: int) -> dict[str, Any]:
     """:func:`spent` of a run: the FLOPs from its audit's re-scoring child (``audit.flops``,
-    :class:`~prism_challenge.rescore.AuditReport`; ``None``: no audit ran), the shapes from its
+    :class:`~prism_challenge.audit.rescore.AuditReport`; ``None``: no audit ran), the shapes from its
     scored steps (:class:`~prism_challenge.evaluator.feeder.StepRecord`)."""
     counts = shape_counts(s.shapes for s in steps)
     forward, secs, error = None, None, None

@@ -1,12 +1,12 @@
 """The memorization gap's noise, measured in each run: the standard errors of its two rates.
 
-The gap is ``val_bpb(trained) - tail_bpb`` (:func:`prism_challenge.verdict.memorization`). Both
+The gap is ``val_bpb(trained) - tail_bpb`` (:func:`prism_challenge.score.verdict.memorization`). Both
 rates are **ratio estimators** over units of text: ``R = sum(y_i) / sum(x_i)`` with ``y_i`` a
 unit's code length in bits (``nats / ln 2``) and ``x_i`` its UTF-8 bytes. The units are
 
 * **the tail**: the scored batches of the last ``fraction`` of the stream's bytes
   (:func:`tail_units`), the batch straddling the tail's start weighted by the share of its bytes
-  inside it (``(w y_i, w x_i)``, the weight :func:`prism_challenge.verdict.tail_bpb` gives it);
+  inside it (``(w y_i, w x_i)``, the weight :func:`prism_challenge.score.verdict.tail_bpb` gives it);
 * **the held-out text**: the val batches the trusted side cut (their bytes are its own counts,
   never the child's), with the trained model's nats per batch from the held-out child.
 
@@ -176,7 +176,7 @@ def tail_units(steps: Sequence[tuple[float, int]], fraction: float) -> tuple[lis
     tail is the byte interval ``(B - f B, B]``. A batch inside counts whole (weight 1); the one
     straddling the start counts with ``w = overlap / bytes`` on both its nats and its bytes; a
     zero-byte batch inside counts whole (its nats, 0 bytes), as in
-    :func:`prism_challenge.verdict.tail_bpb`, so ``sum(nats) / ln 2 / sum(bytes)`` is the tail bpb.
+    :func:`prism_challenge.score.verdict.tail_bpb`, so ``sum(nats) / ln 2 / sum(bytes)`` is the tail bpb.
     """
     total = sum(b for _, b in steps)
     start = total - fraction * total

@@ -2,7 +2,7 @@
 
 :class:`RunManifest` is ``prism_run_manifest.v2.json`` (schema ``prism.run.v2``) field by
 field: the file the pipeline writes validates against it, and its JSON schema is checked into
-the repository (:data:`SCHEMA_PATH`; regenerate with ``python -m prism_challenge.results
+the repository (:data:`SCHEMA_PATH`; regenerate with ``python -m prism_challenge.manifest.results
 --write-schema``, a test checks the file equals :func:`manifest_schema`).
 
 Extra keys: refused everywhere (``extra="forbid"``), so a key the harness adds without
@@ -34,15 +34,15 @@ from typing import Annotated, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 from prism_challenge.failures import FailureKind
-from prism_challenge.run_manifest import SCHEMA as SCHEMA_ID
+from prism_challenge.manifest.run_manifest import SCHEMA as SCHEMA_ID
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
-REGENERATE = "python -m prism_challenge.results --write-schema"
+REGENERATE = "python -m prism_challenge.manifest.results --write-schema"
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0)]
-ShapeKey = Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]  # a rank slice's "BxT" (prism_challenge.flops)
+ShapeKey = Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]  # a rank slice's "BxT" (prism_challenge.score.flops)
 Status = Literal["scored", "failed", "cancelled"]
 StopReason = Literal["", "token_budget", "byte_budget", "step_budget", "wall_clock_budget", "stream_exhausted",
                      "loop_stopped", "stalled", "failed"]
@@ -125,7 +125,7 @@ class TokenizerInfo(_Model):
 
 
 class VerdictPolicy(_Model):
-    """The :class:`~prism_challenge.verdict.Policy` the run's verdict was computed under (its
+    """The :class:`~prism_challenge.score.verdict.Policy` the run's verdict was computed under (its
     fields, as the dataclass names them), so ``prism verify`` recomputes the verdict with it."""
 
     tail_fraction: float
@@ -141,7 +141,7 @@ class VerdictPolicy(_Model):
 
 class RunConfig(_Model):
     """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank,
-    and the scoring precision (:mod:`prism_challenge.scoringprecision`): ``scoring_autocast``
+    and the scoring precision (:mod:`prism_challenge.score.scoringprecision`): ``scoring_autocast``
     (the autocast dtype of the scoring forwards; absent before it existed), where it came from
     (``scoring_autocast_source``: ``prism.yaml``'s, or the profile's) and the attention kernels
     of the scoring forwards (``scoring_sdpa``, in priority order); the last two absent before
@@ -187,7 +187,7 @@ class Compute(_Model):
     """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...); ``launcher``:
     the agent that started the ranks (``"single"``: one rank under
     :mod:`~prism_challenge.evaluator.single`; ``"torchrun"``, also every manifest written before
-    that agent existed). What the run spent (:mod:`~prism_challenge.flops`): FLOPs per rank
+    that agent existed). What the run spent (:mod:`~prism_challenge.score.flops`): FLOPs per rank
     slice shape ``"BxT"``, the training estimate, wall seconds and device-seconds (``None``
     before issue 29; ``flops_error`` says why a count is missing)."""
 
@@ -204,7 +204,7 @@ class Compute(_Model):
     peak_rss_bytes: dict[str, Count | None]
     peak_device_bytes: dict[str, Count | None]
     parent_peak_rss_bytes: Count
-    # what the run spent (prism_challenge.flops; absent before issue 29): FLOPs of one scoring
+    # what the run spent (prism_challenge.score.flops; absent before issue 29): FLOPs of one scoring
     # forward per rank slice shape "BxT", counted in the audit's re-scoring child; slices scored per
     # shape; 3 x their forward FLOPs; seconds of the stream (release to last record) and of the run;
     # stream seconds x ranks; the count's own seconds; how it was counted; why there is no count
@@ -373,7 +373,7 @@ class Heldout(_Model):
 
 
 class MemorizationNoise(_Model):
-    """``prism_challenge.gapnoise.GapNoise`` plus ``gap_over_se``: the gap's measured standard
+    """``prism_challenge.score.gapnoise.GapNoise`` plus ``gap_over_se``: the gap's measured standard
     error and the threshold ``max(floor_bpb, z * se_gap_bpb)`` it set (bpb)."""
 
     se_tail_bpb: float | None
@@ -389,7 +389,7 @@ class MemorizationNoise(_Model):
 
 
 class Verdict(_Model):
-    """``prism_challenge.verdict.Verdict`` (non-finite floats written as ``null``):
+    """``prism_challenge.score.verdict.Verdict`` (non-finite floats written as ``null``):
     ``final_score = anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``;
     ``memorization_threshold`` is the run's own (a fixed policy value in older manifests)."""
 
@@ -433,7 +433,7 @@ class AuditSchedule(_Model):
 
 
 class Audit(_Model):
-    """The audit (:mod:`prism_challenge.rescore`): audited batches re-scored from their weight
+    """The audit (:mod:`prism_challenge.audit.rescore`): audited batches re-scored from their weight
     snapshots in fresh processes, and their blind probes. ``passed`` false zeroes the run.
     ``schedule``: absent in manifests before issue 25, which hold instead the budget-derived
     ``rate`` and ``expected_batches`` (both absent or ``null`` since)."""
@@ -455,7 +455,7 @@ class Audit(_Model):
 
 
 class Certificate(_Model):
-    """The run certificate (:mod:`prism_challenge.certificate`): an ed25519 signature over the
+    """The run certificate (:mod:`prism_challenge.manifest.certificate`): an ed25519 signature over the
     RFC 8785 canonical form of the manifest without this field."""
 
     alg: Literal["ed25519"]
@@ -587,8 +587,8 @@ def schema_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m prism_challenge.results --write-schema``: rewrite :data:`SCHEMA_PATH`."""
-    parser = argparse.ArgumentParser(prog="python -m prism_challenge.results")
+    """``python -m prism_challenge.manifest.results --write-schema``: rewrite :data:`SCHEMA_PATH`."""
+    parser = argparse.ArgumentParser(prog="python -m prism_challenge.manifest.results")
     parser.add_argument("--write-schema", action="store_true", help=f"write {SCHEMA_PATH}")
     args = parser.parse_args(argv)
     if not args.write_schema:

@@ -1,7 +1,7 @@
 """The bundle frozen at intake: one read-only copy that every stage uses, checked after the run.
 
 :func:`freeze` copies a bundle directory (or extracts a ``.zip``) once, through the intake rules
-(:func:`prism_challenge.bundle.open_bundle`, :func:`~prism_challenge.bundle.readable_copy`), into
+(:func:`prism_challenge.intake.bundle.open_bundle`, :func:`~prism_challenge.intake.bundle.readable_copy`), into
 a fresh temporary directory owned by the trusted side, and makes it read-only: directories
 ``0555``, files ``0444``. Submitted code reads it (as "other" when it runs as the sandbox uid)
 but cannot write it: the sandbox binds it read-only, the audit hook refuses writes to it, and
@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism_challenge.bundle import IntakeLimits, open_bundle, readable_copy
+from prism_challenge.intake.bundle import IntakeLimits, open_bundle, readable_copy
 from prism_challenge.scratch import remove_tree  # re-exported: frozen.remove_tree (a read-only tree)
 
 
@@ -87,7 +87,7 @@ def freeze(path: str | os.PathLike[str], limits: IntakeLimits = IntakeLimits()) 
     """Intake ``path`` (a bundle directory or ``.zip``) into a fresh read-only copy.
 
     Raises:
-        prism_challenge.bundle.BundleError: an intake rule is broken (nothing is left on disk).
+        prism_challenge.intake.bundle.BundleError: an intake rule is broken (nothing is left on disk).
     """
     root, holder = open_bundle(path, limits)
     if holder is None:  # a directory used in place: copy it

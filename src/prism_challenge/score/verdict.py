@@ -12,14 +12,14 @@ the held-out evaluation). Units: nats for losses, bits per UTF-8 byte (bpb) for 
   distribution, so an honest model's val bpb is close to (or below: it trained on the tail)
   its tail bpb. A model whose loss on the stream is far better than on held-out text of the same
   kind knew the stream rather than learned the language (smuggled train text, lookahead). The
-  threshold is measured in each run (:mod:`prism_challenge.gapnoise`): ``max(floor, z *
+  threshold is measured in each run (:mod:`prism_challenge.score.gapnoise`): ``max(floor, z *
   se_gap)``, ``se_gap`` from the spread of the tail's batches and of the val batches.
 * **Anomaly** (:func:`anomaly`): under the forced random init an honest model predicts close
   to uniform on the first batch, ``~ ln V`` nats per target. A first-batch loss below half of
   that is knowledge the model brought with it (constants baked into the source): zeroed.
 * **Final score** (:func:`final_score`): ``a * m / (1 + prequential_bpb)``.
 * **Ranking** (:func:`rank`): tiers (clean, flagged, zeroed; short runs below full ones), and in
-  each the crown rule of :mod:`prism_challenge.crown` (re-exported here): first place changes
+  each the crown rule of :mod:`prism_challenge.score.crown` (re-exported here): first place changes
   hands only by a one-sided Welch t-test at ``p < significance_p`` between groups of seed
   repeats; the other places by mean bpb, then submission time.
 """
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prism_challenge.crown import (
+from prism_challenge.score.crown import (
     DEFAULT_SIGNIFICANCE_P,
     CrownError,
     Difference,
@@ -43,7 +43,7 @@ from prism_challenge.crown import (
     welch_difference,
     welch_p,
 )
-from prism_challenge.gapnoise import DEFAULT_GAP_FLOOR_BPB, DEFAULT_GAP_Z, GapNoiseError, gap_noise, tail_units
+from prism_challenge.score.gapnoise import DEFAULT_GAP_FLOOR_BPB, DEFAULT_GAP_Z, GapNoiseError, gap_noise, tail_units
 
 LN2 = math.log(2.0)
 
@@ -66,16 +66,16 @@ class Policy:
         tail_fraction: share of the scored bytes that forms the tail (0 < f <= 1); 0.1.
         gap_z: a memorization gap above ``max(gap_floor_bpb, gap_z * se_gap)`` is flagged,
             ``se_gap`` the gap's standard error measured in the run
-            (:func:`prism_challenge.gapnoise.gap_noise`); 4 (one-sided 3.2e-5 under normality).
+            (:func:`prism_challenge.score.gapnoise.gap_noise`); 4 (one-sided 3.2e-5 under normality).
         gap_floor_bpb: the smallest threshold (bpb); 0.05. Both measured and justified in
-            :mod:`prism_challenge.gapnoise` and ``bench/gap_noise.py``. (A fixed 0.5 bpb let
+            :mod:`prism_challenge.score.gapnoise` and ``bench/gap_noise.py``. (A fixed 0.5 bpb let
             a peek at one position in six through with a gap of 0.43 bpb.)
         gap_penalty: the multiplier applied when the gap is flagged; 0.5 (halves the score,
             keeps the run ranked: a high gap is strong but not conclusive evidence).
         anomaly_ratio: first-batch nats per target below ``ratio * ln V`` is zeroed; 0.5.
         significance_p: the crown rule's level: a challenger takes first place only when a
             one-sided Welch t-test says its mean bpb is lower at ``p < significance_p``
-            (:mod:`prism_challenge.crown`); 0.01.
+            (:mod:`prism_challenge.score.crown`); 0.01.
         confirm_top_n: the service confirms a submission whose first run's bpb would place it
             among the first ``confirm_top_n`` entries (by their mean bpb); 3 (issue 29).
         confirm_runs: the runs such a submission gets in all, each on a fresh secret seed
@@ -163,7 +163,7 @@ def memorization(
     """The memorization gap and its multiplier: ``(gap, multiplier, flagged)``.
 
     ``gap = val_bpb_trained - tail`` (bpb); ``flagged = gap > threshold`` (the run's threshold,
-    :func:`prism_challenge.gapnoise.gap_noise`); ``multiplier`` is
+    :func:`prism_challenge.score.gapnoise.gap_noise`); ``multiplier`` is
     ``penalty`` when flagged, else 1.0. A non-finite ``val_bpb_trained`` (the trained model's
     held-out loss blew up) is flagged with an infinite gap.
 
@@ -231,8 +231,8 @@ def rank(entries: Iterable[Any], significance_p: float = DEFAULT_SIGNIFICANCE_P)
     does not back, or none to back it); then zeroed ones (``anti_cheat_multiplier == 0`` or
     ``final_score == 0``: smuggled knowledge, or found non-causal by a held-out probe). Inside
     each, entries flagged ``"short"`` (the loop stopped under 99 % of its budget:
-    :func:`prism_challenge.crown.is_short`) rank below the full ones. Each (sub-)tier is ordered
-    by :func:`prism_challenge.crown.rank_groups`: first the crown holder (among entries with two
+    :func:`prism_challenge.score.crown.is_short`) rank below the full ones. Each (sub-)tier is ordered
+    by :func:`prism_challenge.score.crown.rank_groups`: first the crown holder (among entries with two
     or more runs, the earliest submission unless a later one's mean bpb is lower by a one-sided
     Welch t-test at ``p < significance_p``; without such entries the lowest mean), then by mean
     bpb, then ``submitted_at``, then ``id``. The held-out delta does not order entries.
@@ -302,7 +302,7 @@ class Verdict:
         memorization_threshold: this run's threshold (bpb): ``max(floor, z * se_gap)``; the
             floor without held-out figures.
         memorization_se_bpb: ``se_gap``, the gap's measured standard error (bpb), or ``None``.
-        memorization_noise: :class:`prism_challenge.gapnoise.GapNoise` as a dict, plus
+        memorization_noise: :class:`prism_challenge.score.gapnoise.GapNoise` as a dict, plus
             ``gap_over_se`` (``gap / se_gap``), or ``None`` without held-out figures.
         memorization_flagged: the gap is above the threshold.
         memorization_penalty: the policy's penalty when flagged, else 1.0 (1.0 without held-out).
@@ -360,12 +360,12 @@ def build_verdict(
     """Assemble the verdict of a scored run (for the manifest and the console summary).
 
     Args:
-        prequential_bpb: from :func:`prism_challenge.scoring.prequential_score`.
+        prequential_bpb: from :func:`prism_challenge.score.scoring.prequential_score`.
         steps: the step records in stream order (see :func:`tail_bpb` for accepted forms);
             the first one's nats per target is the anomaly signal. A step's targets are needed
             for that: ``StepRecord``s, dicts with ``targets``, or the manifest curve.
         vocab_size: ``V``.
-        heldout: the output of :func:`prism_challenge.heldout.run_heldout`, or ``None``.
+        heldout: the output of :func:`prism_challenge.audit.heldout.run_heldout`, or ``None``.
         heldout_error: the reason the held-out evaluation is missing (flag
             ``heldout_unavailable``; the memorization penalty is then 1.0: no evidence).
         stop_reason: the stream's ``stop_reason``; ``loop_stopped`` (the loop ended before its
@@ -373,9 +373,9 @@ def build_verdict(
             at any stop (:mod:`~prism_challenge.evaluator.auditplan`), and how a ranking treats
             a short run is the ranking's decision.
         covered: the share of its budget the run covered
-            (:func:`prism_challenge.crown.budget_share`; ``None``: no countable budget). A
+            (:func:`prism_challenge.score.crown.budget_share`; ``None``: no countable budget). A
             ``loop_stopped`` run under 99 % of it is also flagged ``short``
-            (:func:`prism_challenge.crown.is_short`): :func:`rank` puts it below the full runs.
+            (:func:`prism_challenge.score.crown.is_short`): :func:`rank` puts it below the full runs.
 
     Raises:
         VerdictError: no bytes scored or no steps (the run must fail instead of scoring).
@@ -442,7 +442,7 @@ def build_verdict(
 
 
 def _noise(steps: Any, policy: Policy, ho: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`~prism_challenge.gapnoise.gap_noise` of a run as a dict: the tail's units from
+    """:func:`~prism_challenge.score.gapnoise.gap_noise` of a run as a dict: the tail's units from
     ``steps``, the val side's from ``ho["batch_nats_trained"]`` and ``ho["batch_bytes"]`` (held-out
     figures without them, e.g. from an older harness, have no val units: see the module's rules).
 

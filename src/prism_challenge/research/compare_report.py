@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.compare import (
+from prism_challenge.research.compare import (
     CompareError,
     CrownRow,
     Group,
@@ -25,9 +25,9 @@ from prism_challenge.compare import (
     variant,
     warnings,
 )
-from prism_challenge.crown import DEFAULT_SIGNIFICANCE_P
+from prism_challenge.score.crown import DEFAULT_SIGNIFICANCE_P
 from prism_challenge.data.refcodes import CODECS, against_best
-from prism_challenge.flops import flops_text
+from prism_challenge.score.flops import flops_text
 
 HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "flags", "seed", "tokenizer", "bytes", "stop",
            *CODECS, "bpb − best ref")
@@ -111,7 +111,7 @@ def repeat_rows(group: Group) -> list[tuple[str, ...]]:
 
 REPEAT_HEADERS = ("bundle", "n", "final_score mean ± std", "prequential_bpb mean ± std", "seeds")
 CROWN_HEADERS = ("#", "bundle", "n", "bpb mean ± std", "p vs #1", "Δ mean vs #1 [95 % CI]", "seeds")
-CROWN_NOTE = ("crown rule (prism_challenge.crown): a later bundle takes #1 only if its mean bpb is lower by a "
+CROWN_NOTE = ("crown rule (prism_challenge.score.crown): a later bundle takes #1 only if its mean bpb is lower by a "
               "one-sided Welch t-test at p < {p} (with fewer than 2 runs on either side, the lowest mean leads); "
               "the rest by mean; p and Δ need 2+ runs on both sides")
 
@@ -151,7 +151,7 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
         console.print(f"[bold yellow]WARNING[/] {escape(w)}", highlight=False, soft_wrap=True)
     console.print(LEGEND, highlight=False, soft_wrap=True)
     for n, g in enumerate(groups, 1):
-        t = Table(title=f"group {n}, ranked as the challenge ranks (prism_challenge.verdict.rank)",
+        t = Table(title=f"group {n}, ranked as the challenge ranks (prism_challenge.score.verdict.rank)",
                   caption=escape(key_text(g)), caption_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
         shown = [i for i, h in enumerate(HEADERS) if h not in CONSOLE_HIDDEN]
@@ -241,7 +241,7 @@ def add_compare_parser(sub: Any) -> None:
     """Register ``prism compare`` on an argparse subparsers object."""
     p = sub.add_parser("compare", help="rank runs as the challenge does; warn on runs that are not comparable",
                        description="Rank run directories exactly as the challenge ranks them "
-                       "(prism_challenge.verdict.rank), grouping runs that are not comparable (another profile, "
+                       "(prism_challenge.score.verdict.rank), grouping runs that are not comparable (another profile, "
                        "data MANIFEST, tokenizer basis, budgets or world size), summarising seed repeats, and ranking "
                        "bundles by the crown rule: one-sided Welch p against the first, and the difference in mean "
                        "bpb with its 95 % interval.")
@@ -273,7 +273,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run ``prism compare``; returns 0, or 2 for run directories or a plot name that cannot be used."""
     from rich.console import Console
 
-    from prism_challenge.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
+    from prism_challenge.research.plots import PlotError, figure_bytes, learning_curve_figure, run_curve, save_figure
 
     console, err = Console(), Console(stderr=True)
     try:
@@ -312,7 +312,7 @@ def _compute_plot(shown: Sequence[Run], path: str | None, console: Any) -> Any:
     Raises:
         PlotError: ``path`` given and no run to draw, or a suffix other than ``.png`` or ``.svg``.
     """
-    from prism_challenge.plots import PlotError, compute_figure, compute_point, save_figure
+    from prism_challenge.research.plots import PlotError, compute_figure, compute_point, save_figure
 
     pts = [(compute_point(r.manifest, r.label), variant(r.manifest)) for r in shown]
     pts = [(pt, k) for pt, k in pts if pt is not None]  # runs without a FLOP count are left out

@@ -22,7 +22,7 @@ slice and load the snapshot:
   :data:`~prism_challenge.evaluator.instrument.PROBE_TOLERANCE_NATS`. A model that reads a later
   token (from the snapshot's state or not) is caught here.
 
-The children are ``python -m prism_challenge.rescore_child --stdin`` (:mod:`~prism_challenge.rescore_child`).
+The children are ``python -m prism_challenge.audit.rescore_child --stdin`` (:mod:`~prism_challenge.audit.rescore_child`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.evaluator.snapfile import SnapshotFeed
-from prism_challenge.heldout import _frame, _pack_batches
+from prism_challenge.audit.heldout import _frame, _pack_batches
 
 BLIND_PASSES = 1
 """Blind probe batches per audited slice, each with its own keyed positions: a model that reads the
@@ -69,7 +69,7 @@ class AuditError(RuntimeError):
 
 
 SUBMITTED_STAGES = ("import", "build", "load", "score", "contract")
-"""The prefixes of a child's own error report (:func:`prism_challenge.heldout.submission_failure`)
+"""The prefixes of a child's own error report (:func:`prism_challenge.audit.heldout.submission_failure`)
 that name an exception raised while the child ran submitted code: importing the bundle,
 ``build_model``, ``load_state_dict``, the forward (``contract``: the instrument's ContractError).
 The main run ran the same code on the same weights and batch without failing."""
@@ -125,7 +125,7 @@ class AuditReport:
     error: str | None = None
     wall_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
-    flops: Any = None  # the re-scoring child's FLOP count (prism_challenge.flops.child_count), not in to_dict
+    flops: Any = None  # the re-scoring child's FLOP count (prism_challenge.score.flops.child_count), not in to_dict
 
     @property
     def passed(self) -> bool:
@@ -208,7 +208,7 @@ def plan(audits: dict[int, Any], world_size: int, filler: np.ndarray | None, key
 
 def _groups(paths: list[Path], per_child: int | None = None) -> list[list[int]]:
     """Snapshot indices per child: ``per_child`` each (``None``: all in one child). A child
-    holds one snapshot at a time whatever its count (:mod:`~prism_challenge.rescore_child` reads
+    holds one snapshot at a time whatever its count (:mod:`~prism_challenge.audit.rescore_child` reads
     the next only after the last job of the one before), so one child serves them all: one
     interpreter and device start-up per mode instead of one per snapshot."""
     n = len(paths)
@@ -216,13 +216,13 @@ def _groups(paths: list[Path], per_child: int | None = None) -> list[list[int]]:
     return [list(range(i, min(n, i + size))) for i in range(0, n, size)] if n else []
 
 
-CHILD_ARGV = (sys.executable, "-m", "prism_challenge.rescore_child", "--stdin")
+CHILD_ARGV = (sys.executable, "-m", "prism_challenge.audit.rescore_child", "--stdin")
 
 
 def child_argv(device: str = "cpu") -> list[str]:
     """The audit child's command for ``device``: on CUDA with ``--device cuda``, so that a
     spare starts CUDA in its prologue while it waits to be fed
-    (:func:`prism_challenge.rescore_child.start_device`); the spare's key is this argv."""
+    (:func:`prism_challenge.audit.rescore_child.start_device`); the spare's key is this argv."""
     return [*CHILD_ARGV, "--device", "cuda"] if str(device).startswith("cuda") else list(CHILD_ARGV)
 
 
@@ -230,7 +230,7 @@ def job_config(config: dict[str, Any], jobs: list[Job], group: list[int], mode: 
                ) -> dict[str, Any]:
     """The config one ``mode`` child reads: ``config``, the mode and its ``jobs`` (``state``
     indexed within ``group``, the child's snapshots). ``flop_shapes`` stays only in the first
-    re-scoring child's (``first``): the FLOPs are counted once per run (:mod:`~prism_challenge.flops`)."""
+    re-scoring child's (``first``): the FLOPs are counted once per run (:mod:`~prism_challenge.score.flops`)."""
     index = {s: i for i, s in enumerate(group)}
     child = {**config, "mode": mode,
              "jobs": [{"step": j.step, "rank": j.rank, "state": index[j.state], "picks": j.picks} for j in jobs]}
@@ -399,7 +399,7 @@ def compare_blind(jobs: list[Job], rescored: list[dict[str, Any]], blind_jobs: l
     """
     import torch
 
-    from prism_challenge.blindprobe import PRECISIONS
+    from prism_challenge.audit.blindprobe import PRECISIONS
     from prism_challenge.evaluator.instrument import PROBE_TOLERANCE_NATS, probe_precision
 
     refs: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}
@@ -486,7 +486,7 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
         config: the model configuration (``pipeline._model_config``) plus ``context`` (the run's
             :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank),
             ``hidden`` and, optionally, ``flop_shapes`` (shape keys whose forward FLOPs the first
-            re-scoring child counts: ``report.flops``, :mod:`~prism_challenge.flops`).
+            re-scoring child counts: ``report.flops``, :mod:`~prism_challenge.score.flops`).
         audits: the feeder's :class:`~prism_challenge.evaluator.snapshots.AuditedStep` by step.
         filler: held-out token ids for the blind probes (``None``: no probe; say why in ``meta``).
         key: the run's secret key (the probed positions and the text's offsets).

@@ -24,12 +24,12 @@ cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument
 
 The figures keep each batch's nats per model and each batch's bytes (the trusted side's counts):
 the spread of the trained model's per-batch bpb is the val side of the memorization gap's
-standard error (:mod:`prism_challenge.gapnoise`).
+standard error (:mod:`prism_challenge.score.gapnoise`).
 
 **Probes.** Every held-out batch of the trained model is also probed in process
 (:func:`~prism_challenge.evaluator.instrument.check_causal`; the twin is not: a non-causal twin
 only lowers the delta). The in-process probe can be answered from a cache by a model that
-remembers the rows it has just scored, so the blind probe (:mod:`prism_challenge.blindprobe`)
+remembers the rows it has just scored, so the blind probe (:mod:`prism_challenge.audit.blindprobe`)
 recomputes the prediction of a token in a second, fresh process that never saw its future;
 a mismatch is ``HeldoutError("contract: ...")``, which zeroes the run. Every forward runs under
 the bundle's ``scoring_autocast``, as in the stream.
@@ -47,7 +47,7 @@ the interpreter and the bundle. What it cannot prevent, like the training runner
 in the child's address space (the submitted ``forward``) can tamper with the in-process
 computation; the static gates (no monkeypatching, no introspection) are the defence there.
 
-``python -m prism_challenge.heldout CONFIG.json`` runs it standalone (trusted use: it reads the
+``python -m prism_challenge.audit.heldout CONFIG.json`` runs it standalone (trusted use: it reads the
 val split from ``data_dir`` and ``state_path`` itself) and prints one JSON line.
 """
 
@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.blindprobe import BLIND_PROBES, BlindProbeError, blind_probes, compare, logprobs_at
+from prism_challenge.audit.blindprobe import BLIND_PROBES, BlindProbeError, blind_probes, compare, logprobs_at
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.evaluator.jail import Jail
@@ -387,7 +387,7 @@ def _warm_up() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m prism_challenge.heldout CONFIG.json`` or ``... --stdin`` (used by :func:`run_heldout`).
+    """``python -m prism_challenge.audit.heldout CONFIG.json`` or ``... --stdin`` (used by :func:`run_heldout`).
 
     Prints one JSON line on stdout: ``{"ok": true, ...figures}`` or ``{"ok": false, "error": ...}``;
     exit status 0 or 1. With ``--stdin`` the config, the token batches and the state bytes come
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             # read now, before the audit hook is armed: the state file may lie anywhere the user keeps it
             state = io.BytesIO(Path(config["state_path"]).read_bytes())
         else:
-            sys.stderr.write("usage: python -m prism_challenge.heldout CONFIG.json | --stdin\n")
+            sys.stderr.write("usage: python -m prism_challenge.audit.heldout CONFIG.json | --stdin\n")
             return 2
         result = evaluate_config(config, batches, state)
         if batch_bytes is None:
@@ -455,7 +455,7 @@ def run_heldout(
     The trusted side cuts the rows (:func:`heldout_cuts` from ``config["data_dir"]``, ``split``
     (default ``val``), ``max_bytes`` (default 200 000), ``batch_size``, ``seq_len``), reads
     ``config["state_path"]``, and sends token ids, config and state bytes over stdin to
-    ``python -m prism_challenge.heldout --stdin`` started in ``jail``; the child needs no data
+    ``python -m prism_challenge.audit.heldout --stdin`` started in ``jail``; the child needs no data
     path. The blind probe is a second child in the same jail.
 
     Args:
@@ -469,7 +469,7 @@ def run_heldout(
             limits); default: no sandbox, :data:`HELDOUT_LIMITS` with ``memory_bytes``
             (``None``: unlimited address space, needed on CUDA).
         key: the run's secret, which draws the blind probe's rows and positions
-            (:func:`~prism_challenge.blindprobe.blind_probes`; never sent to a child); ``None``:
+            (:func:`~prism_challenge.audit.blindprobe.blind_probes`; never sent to a child); ``None``:
             a fresh one from :func:`secrets.token_bytes`.
 
     Returns:
@@ -548,7 +548,7 @@ def run_heldout(
     return figures
 
 
-CHILD_ARGV = (sys.executable, "-m", "prism_challenge.heldout", "--stdin")
+CHILD_ARGV = (sys.executable, "-m", "prism_challenge.audit.heldout", "--stdin")
 
 
 def _writable(child_config: dict[str, Any]) -> list[str]:

@@ -78,7 +78,7 @@ def compare(m: dict[str, Any], again: dict[str, Any]) -> str:
     Raises:
         Mismatch: the first batch of the curve, or the stream, score or state figure, that differs.
     """
-    from prism_challenge.verify_recompute import Mismatch
+    from prism_challenge.manifest.verify_recompute import Mismatch
 
     a, b = m["curve"], again["curve"]
     n = len(a["nats_per_target"])
@@ -146,11 +146,11 @@ def reexecute(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, isolation
         ValueError: another device kind or GPU model than the run's.
         Mismatch: the re-executed run failed, or its curve or figures differ.
     """
-    from prism_challenge.certificate import create_key_file
+    from prism_challenge.manifest.certificate import create_key_file
     from prism_challenge.control import RunControl
     from prism_challenge.failures import EvalFailure
     from prism_challenge.pipeline import evaluate
-    from prism_challenge.verify_recompute import Mismatch
+    from prism_challenge.manifest.verify_recompute import Mismatch
 
     with tempfile.TemporaryDirectory(prefix="prism-reexecute-", dir=scratch.root()) as tmp:
         key = Path(tmp) / "key" / "signing-key.pem"

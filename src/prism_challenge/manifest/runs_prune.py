@@ -2,10 +2,10 @@
 snapshots (``model/audit/step-<k>.snap``, most of a run directory's bytes) of runs that are
 already verified.
 
-A run directory is verified when its manifest is a scored run's (:func:`~prism_challenge.verify.read_manifest`),
+A run directory is verified when its manifest is a scored run's (:func:`~prism_challenge.manifest.verify.read_manifest`),
 its audit ended and passed (``audit.error`` null, ``audit.passed`` true: every audited batch was
 re-scored from its snapshot, equal to its record, and its blind probes passed), its certificate
-verifies under a trusted key (:func:`~prism_challenge.certificate.check_certificate`: ``--key``,
+verifies under a trusted key (:func:`~prism_challenge.manifest.certificate.check_certificate`: ``--key``,
 default the user's own, ``prism eval``'s), and every snapshot on disk is one the manifest lists
 and hashes to the sha256 it binds. Any other run is kept, with the reason: one whose audit did
 not end, found a mismatch (its snapshots are the evidence), was never audited or has no manifest
@@ -14,7 +14,7 @@ not end, found a mismatch (its snapshots are the evidence), was never audited or
 Before a snapshot goes, its name, sha256 and size are added to the run's prune record
 (``model/audit/pruned.json``, :data:`RECORD_NAME`), so ``prism verify`` tells a pruned snapshot
 from a missing one: it checks everything else and says which audited batches it could not
-re-score (:mod:`prism_challenge.verify`). Everything else in the run directory is kept: the
+re-score (:mod:`prism_challenge.manifest.verify`). Everything else in the run directory is kept: the
 audited inputs (``step-<k>.npz``), the bundle copy, the manifest, the logs.
 """
 
@@ -61,7 +61,7 @@ class RunPrune:
 
 def audit_dir(run_dir: Path) -> Path:
     """The run directory's audit folder (``model/audit``)."""
-    from prism_challenge.auditstage import AUDIT_DIR
+    from prism_challenge.audit.auditstage import AUDIT_DIR
 
     return run_dir / AUDIT_DIR
 
@@ -83,7 +83,7 @@ def find_runs(roots: list[Path]) -> list[Path]:
     Raises:
         ValueError: a root that is not a directory.
     """
-    from prism_challenge.run_manifest import MANIFEST_NAME
+    from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
     found: set[Path] = set()
 
@@ -106,9 +106,9 @@ def find_runs(roots: list[Path]) -> list[Path]:
 def why_kept(run_dir: Path, plan: RunPrune, keys: list[str] | None) -> str | None:
     """Why ``run_dir`` is not verified (its snapshots stay), or ``None`` (see the module docstring).
     ``plan``: its snapshot files, sizes and digests."""
-    from prism_challenge.certificate import CertificateError, check_certificate
-    from prism_challenge.run_manifest import MANIFEST_NAME
-    from prism_challenge.verify import read_manifest
+    from prism_challenge.manifest.certificate import CertificateError, check_certificate
+    from prism_challenge.manifest.run_manifest import MANIFEST_NAME
+    from prism_challenge.manifest.verify import read_manifest
 
     if not (run_dir / MANIFEST_NAME).is_file():
         return f"no {MANIFEST_NAME}: the run did not end"

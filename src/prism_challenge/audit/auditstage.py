@@ -1,5 +1,5 @@
 """The pipeline's audit stage (after the stream, before the held-out stage): what ``prism eval``
-does with the feeder's audited batches (:mod:`~prism_challenge.rescore`), and what it leaves in
+does with the feeder's audited batches (:mod:`~prism_challenge.audit.rescore`), and what it leaves in
 the run directory for ``prism verify``:
 
 * ``bundle/``: a copy of the frozen bundle that ran (its sha256 is the manifest's);
@@ -29,8 +29,8 @@ from prism_challenge.evaluator.auditplan import AUDITED_BATCHES, RESCORE_RTOL, S
 from prism_challenge.evaluator.snapfile import snapshot_dtypes
 from prism_challenge.evaluator.snapshots import snapshot_name
 from prism_challenge.evaluator.statedict import StateError
-from prism_challenge.flops import shape_counts
-from prism_challenge.rescore import AuditReport, child_argv, plan, run_audit
+from prism_challenge.score.flops import shape_counts
+from prism_challenge.audit.rescore import AuditReport, child_argv, plan, run_audit
 
 AUDIT_DIR = Path("model") / "audit"
 BUNDLE_COPY = "bundle"
@@ -135,7 +135,7 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     submitted code) at once, so its start-up overlaps the tokenizing of the probes' text;
     ``wall_s`` is the whole stage's, until the inputs are written (``audited_batches``: the run's
     ``A``, for the manifest). The first re-scoring child also counts the forward FLOPs of every
-    rank slice shape the stream scored (``report.flops``, :mod:`~prism_challenge.flops`).
+    rank slice shape the stream scored (``report.flops``, :mod:`~prism_challenge.score.flops`).
     """
     from prism_challenge.evaluator.isolation import IsolationError
 

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from prism_challenge.evaluator.single import FAILED as SINGLE_AGENT_FAILED
-from prism_challenge.flops import flops_text
+from prism_challenge.score.flops import flops_text
 
 
 def print_failure(console: Console, failure, run_dir: Path | None = None) -> None:

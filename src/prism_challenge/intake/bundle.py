@@ -14,7 +14,7 @@ Declared names are honoured exactly. The two entrypoints must be distinct files.
 
 Intake rules (:func:`check_tree`, :func:`extract_zip`) refuse a bundle before the gates read
 its source: only UTF-8 text files of the bundle's kinds (``.py``, ``.md``, ``.txt``,
-``prism.yaml``; no NUL byte, no ``__pycache__``: see :mod:`prism_challenge.bundlefiles`), ``.py``
+``prism.yaml``; no NUL byte, no ``__pycache__``: see :mod:`prism_challenge.intake.bundlefiles`), ``.py``
 paths made of identifiers, no top-level module or code folder named like a module importable
 from elsewhere, no symlinks or special files, a cap on member count and on total source size,
 and for archives no absolute or parent-relative member names, nothing resolving outside the
@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from prism_challenge import scratch
-from prism_challenge.bundlefiles import (  # ALLOWED_SUFFIXES: re-exported
+from prism_challenge.intake.bundlefiles import (  # ALLOWED_SUFFIXES: re-exported
     ALLOWED_SUFFIXES,  # noqa: F401
     BYTECODE_DIR,
     Problem,
@@ -262,7 +262,7 @@ def check_tree(root: Path, limits: IntakeLimits = IntakeLimits()) -> int:
     """Apply the intake rules to a bundle directory; return the total size of its files (bytes).
 
     Every file is read (never through a symlink) and must be UTF-8 text of an allowed kind (see
-    :mod:`prism_challenge.bundlefiles`). A ``__pycache__`` folder is refused with a hint to
+    :mod:`prism_challenge.intake.bundlefiles`). A ``__pycache__`` folder is refused with a hint to
     delete it (``prism:bytecode``): nothing the gates did not read lies beside the bundle's
     code. Last, the top-level module and code-folder names are checked against the modules the
     interpreter finds elsewhere (one short probe interpreter).

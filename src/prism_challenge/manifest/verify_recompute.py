@@ -3,13 +3,13 @@ none of the manifest's own conclusions:
 
 * :func:`check_score`: the stream's and the score's counts and totals from the curve;
 * :func:`check_verdict`: the verdict, its flags and ``final_score``, rebuilt by
-  :func:`prism_challenge.verdict.build_verdict` from the curve, the held-out figures and the
+  :func:`prism_challenge.score.verdict.build_verdict` from the curve, the held-out figures and the
   profile's policy (:func:`policy_of`), with the held-out contract and the audit applied as the
   pipeline applies them;
 * :func:`check_draws`: the audited steps, drawn again from the revealed ``run_secret``
   (:func:`prism_challenge.evaluator.auditplan.drawn_steps`);
 * :func:`check_probes`: each audited slice's blind probe batches and picks, made again from the
-  secret and the val split (:func:`prism_challenge.rescore.probe_batch`).
+  secret and the val split (:func:`prism_challenge.audit.rescore.probe_batch`).
 
 Each raises :class:`Mismatch` naming the first field that differs.
 """
@@ -41,7 +41,7 @@ def _close(a: float, b: float) -> bool:
 
 def curve_bpb(curve: dict[str, list]) -> tuple[float, list[float]]:
     """(bpb re-derived from a manifest curve, each batch's total nats): ``sum_i
-    nats_per_target_i * targets_i / ln 2 / bytes`` (:mod:`prism_challenge.scoring`)."""
+    nats_per_target_i * targets_i / ln 2 / bytes`` (:mod:`prism_challenge.score.scoring`)."""
     per, cum_t, cum_b = curve["nats_per_target"], curve["cumulative_targets"], curve["cumulative_bytes"]
     targets = [t - p for t, p in zip(cum_t, [0, *cum_t[:-1]])]
     nats = [n * t for n, t in zip(per, targets)]
@@ -52,7 +52,7 @@ def check_score(m: dict[str, Any]) -> tuple[float, list[float]]:
     """The score re-derived from the curve: ``stream.batches`` the curve's length, ``targets``
     and ``bytes`` (stream and score) its last cumulative values, exactly; ``total_nats``,
     ``total_bits = total_nats / ln 2`` and ``prequential_bpb = total_bits / bytes``
-    (:mod:`prism_challenge.scoring`) within :data:`CURVE_RTOL`. Returns (bpb, nats per batch).
+    (:mod:`prism_challenge.score.scoring`) within :data:`CURVE_RTOL`. Returns (bpb, nats per batch).
 
     Raises:
         Mismatch: the first figure that differs, named.
@@ -85,7 +85,7 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
     (``profile``: a name or file to read it from instead of the shipped one of the manifest's
     name; its sha256 must be the manifest's, and so must the policy the manifest records in
     ``config.policy``); for a run without a profile, or one that overrode its profile's policy,
-    the recorded policy (the default :class:`~prism_challenge.verdict.Policy` for a manifest that
+    the recorded policy (the default :class:`~prism_challenge.score.verdict.Policy` for a manifest that
     records none).
 
     Raises:
@@ -93,7 +93,7 @@ def policy_of(m: dict[str, Any], profile: str | None = None) -> tuple[Any, str]:
             one, or the run overrode its policy and the manifest records none.
     """
     from prism_challenge.profiles import ProfileError, load_profile
-    from prism_challenge.verdict import Policy
+    from prism_challenge.score.verdict import Policy
 
     rec = m.get("profile")
     recorded = m["config"].get("policy")
@@ -146,10 +146,10 @@ def _diff(path: str, recorded: Any, again: Any) -> str | None:
 
 
 def recompute_verdict(m: dict[str, Any], policy: Any) -> dict[str, Any]:
-    """The verdict rebuilt as the pipeline builds it: :func:`~prism_challenge.verdict.build_verdict`
+    """The verdict rebuilt as the pipeline builds it: :func:`~prism_challenge.score.verdict.build_verdict`
     over the score's bpb, the curve, the vocabulary and the manifest's held-out figures under
     ``policy``; zeroed with flag ``heldout_contract`` for a held-out contract error; zeroed with
-    flag ``audit`` when the audit did not pass (:func:`prism_challenge.auditstage.apply`), where
+    flag ``audit`` when the audit did not pass (:func:`prism_challenge.audit.auditstage.apply`), where
     "passed" follows from the audit's batches, mismatch and error, not from its own field.
 
     Raises:
@@ -157,8 +157,8 @@ def recompute_verdict(m: dict[str, Any], policy: Any) -> dict[str, Any]:
     """
     import dataclasses
 
-    from prism_challenge.auditstage import apply as apply_audit
-    from prism_challenge.verdict import VerdictError, budget_share, build_verdict
+    from prism_challenge.audit.auditstage import apply as apply_audit
+    from prism_challenge.score.verdict import VerdictError, budget_share, build_verdict
 
     v, audit = m["verdict"], m.get("audit")
     try:
@@ -258,16 +258,16 @@ def check_draws(m: dict[str, Any], min_audited: int | None = None) -> list[int]:
 def check_probes(m: dict[str, Any], inputs: dict[int, dict[str, np.ndarray]], filler: np.ndarray | None) -> int:
     """Each audited slice's stored blind probe batches (``probe_<rank>_<pass>``) and picks
     (``picks_<rank>_<pass>``) made again from the revealed secret with
-    :func:`~prism_challenge.rescore.probe_batch` over the val split's prefix ``filler``
-    (:func:`prism_challenge.auditstage.val_filler`): each must be equal, and there must be
-    :data:`~prism_challenge.rescore.BLIND_PASSES` of them per slice (none when the run had no
+    :func:`~prism_challenge.audit.rescore.probe_batch` over the val split's prefix ``filler``
+    (:func:`prism_challenge.audit.auditstage.val_filler`): each must be equal, and there must be
+    :data:`~prism_challenge.audit.rescore.BLIND_PASSES` of them per slice (none when the run had no
     usable filler). Returns the probes compared.
 
     Raises:
         Mismatch: no revealed secret (:func:`secret_of`), or a stored probe or pick that the
             secret does not give, named by step and rank.
     """
-    from prism_challenge.rescore import BLIND_PASSES, probe_batch
+    from prism_challenge.audit.rescore import BLIND_PASSES, probe_batch
 
     key = secret_of(m)
     n, done = int(m["compute"]["world_size"]), 0

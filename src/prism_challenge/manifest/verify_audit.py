@@ -1,6 +1,6 @@
 """``prism verify``'s audit stage: each audited batch's files checked against the manifest and
 the train stream, then re-scored and blind-probed again in fresh jailed processes
-(:mod:`prism_challenge.rescore`), as the run's audit did (:mod:`prism_challenge.auditstage`)."""
+(:mod:`prism_challenge.audit.rescore`), as the run's audit did (:mod:`prism_challenge.audit.auditstage`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from prism_challenge import scratch
-from prism_challenge.verify_recompute import CURVE_RTOL, Mismatch
+from prism_challenge.manifest.verify_recompute import CURVE_RTOL, Mismatch
 
 
 def stream_slices(data: Any, manifest: dict[str, Any], steps: list[int]) -> dict[int, list[np.ndarray]]:
@@ -42,11 +42,11 @@ def load_audit(run_dir: Path, manifest: dict[str, Any], batch_nats: list[float],
                pruned: set[int] = frozenset()) -> tuple[dict[int, Any], dict[int, dict[str, np.ndarray]]]:
     """The audited steps as the feeder held them and their stored inputs by step, after checking
     every hash and the curve. A step of ``pruned`` (its snapshot removed by ``prism runs prune``,
-    :func:`~prism_challenge.runs_prune.pruned_steps`) has every check but its snapshot's, and
+    :func:`~prism_challenge.manifest.runs_prune.pruned_steps`) has every check but its snapshot's, and
     ``snapshot`` ``None``."""
-    from prism_challenge.auditstage import AUDIT_DIR
+    from prism_challenge.audit.auditstage import AUDIT_DIR
     from prism_challenge.evaluator.snapshots import AuditedStep, file_sha256, snapshot_name
-    from prism_challenge.rescore import inputs_digest
+    from prism_challenge.audit.rescore import inputs_digest
 
     n = int(manifest["compute"]["world_size"])
     batches = manifest["audit"]["batches"]
@@ -79,19 +79,19 @@ def load_audit(run_dir: Path, manifest: dict[str, Any], batch_nats: list[float],
 def children(run_dir: Path, manifest: dict[str, Any], copy: Path, audits: dict[int, Any],
               inputs: dict[int, dict[str, np.ndarray]], data: Any, isolation: str, timeout_s: float) -> tuple[Any, int]:
     """Re-score and probe every audited batch in fresh jailed processes; the first mismatch raised."""
-    from prism_challenge.auditstage import empty_artifacts
+    from prism_challenge.audit.auditstage import empty_artifacts
     from prism_challenge.data.builtin import default_cache_root
     from prism_challenge.data.partition import default_salt_path
     from prism_challenge.evaluator.isolation import IsolationError
     from prism_challenge.evaluator.jail import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_OPEN_FILES, Jail,
                                                 default_memory_limit, jail_limits)
     from prism_challenge.evaluator.instrument import autocast_dtype
-    from prism_challenge.rescore import AuditReport, Job, compare_blind, compare_rescore, run_both
+    from prism_challenge.audit.rescore import AuditReport, Job, compare_blind, compare_rescore, run_both
 
     cfg, audit = manifest["config"], manifest["audit"]
     device = rescoring_device(manifest)
     module = manifest["bundle"]["architecture"].rpartition(":")[0].removesuffix(".py").replace("/", ".")
-    from prism_challenge.certificate import user_key_path
+    from prism_challenge.manifest.certificate import user_key_path
 
     hidden = [str(data.root), str(default_salt_path(data.root)), str(default_cache_root()), str(run_dir / "model"),
               str(user_key_path().parent), str(user_key_path())]
@@ -171,7 +171,7 @@ def rescoring_device(manifest: dict[str, Any]) -> str:
 
 def filler(m: dict[str, Any], data: Any) -> np.ndarray | None:
     """The val prefix the run's blind probes continued their rows with (as the audit read it)."""
-    from prism_challenge.auditstage import val_filler
+    from prism_challenge.audit.auditstage import val_filler
     from prism_challenge.tokenizers import reference_tokenizer
 
     filler, _ = val_filler(data, reference_tokenizer(m["tokenizer"]["name"]))

@@ -1,5 +1,5 @@
-"""The audit's child process (:mod:`prism_challenge.rescore`): ``python -m
-prism_challenge.rescore_child --stdin [--device cuda]``, started in the run's jail. It reads the
+"""The audit's child process (:mod:`prism_challenge.audit.rescore`): ``python -m
+prism_challenge.audit.rescore_child --stdin [--device cuda]``, started in the run's jail. It reads the
 config and the batches on stdin, then one frame per weight snapshot, each only when its first job
 comes (:class:`~prism_challenge.evaluator.snapfile.SnapshotStream`: one snapshot held at a time,
 however many the child re-scores), and prints one JSON line on stdout; for each
@@ -7,7 +7,7 @@ job it builds the model in the run's context, loads the job's snapshot and score
 ``rescore`` mode as the instrument does (nats, and the nats of the probed targets), ``blind`` mode
 the log-probabilities at the probed positions. A child whose config names ``flop_shapes`` (the
 first re-scoring child of the audit) then counts the scoring forward's FLOPs per shape on its last
-job's model (:mod:`~prism_challenge.flops`), in that job's reply under ``flops``.
+job's model (:mod:`~prism_challenge.score.flops`), in that job's reply under ``flops``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.heldout import _read_frame, _unpack_batches, submission_failure
-from prism_challenge.rescore import AuditError
+from prism_challenge.audit.heldout import _read_frame, _unpack_batches, submission_failure
+from prism_challenge.audit.rescore import AuditError
 
 
 def _score_job(model: Any, tokens: Any, job: dict[str, Any], mode: str, vocab: int, autocast: Any) -> dict[str, Any]:
@@ -73,9 +73,9 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
     from prism_challenge.evaluator.interface import run_context
     from prism_challenge.evaluator.seeding import force_determinism, force_source_imports
     from prism_challenge.evaluator.statedict import load_scored_state
-    from prism_challenge.flops import child_count, shape_of
+    from prism_challenge.score.flops import child_count, shape_of
     from prism_challenge.gates.param_count import count_unique_elements
-    from prism_challenge.heldout import _BuildOnly
+    from prism_challenge.audit.heldout import _BuildOnly
 
     device = str(config.get("device", "cpu"))
     seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])
@@ -126,7 +126,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
 WARM_MODULES = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.instrument",
                 "prism_challenge.evaluator.snapfile",
                 "prism_challenge.evaluator.interface", "prism_challenge.evaluator.seeding",
-                "prism_challenge.gates.param_count", "prism_challenge.flops", "torch.utils.flop_counter",
+                "prism_challenge.gates.param_count", "prism_challenge.score.flops", "torch.utils.flop_counter",
                 # the FLOP count's first forward imports it, and its import makes inductor's cache
                 # folder: done here, before the audit hook is armed, and not under the bundle's frames
                 "torch._dynamo")
@@ -171,14 +171,14 @@ def _device_arg(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m prism_challenge.rescore_child --stdin``: one JSON line ``{"ok": true, "jobs": [...]}``
+    """``python -m prism_challenge.audit.rescore_child --stdin``: one JSON line ``{"ok": true, "jobs": [...]}``
     or ``{"ok": false, "error": ...}`` on stdout; exit status 0 or 1."""
     argv = sys.argv[1:] if argv is None else argv
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever else writes to stdout lands in stderr
     device = _device_arg(argv)
     if device is None:
-        sys.stderr.write("usage: python -m prism_challenge.rescore_child --stdin [--device cpu|cuda]\n")
+        sys.stderr.write("usage: python -m prism_challenge.audit.rescore_child --stdin [--device cpu|cuda]\n")
         return 2
     _warm_up(device)
     try:

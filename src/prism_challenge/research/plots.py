@@ -159,7 +159,7 @@ def group_band(curves: Sequence[RunCurve]) -> tuple[np.ndarray, np.ndarray, np.n
 @dataclass(frozen=True)
 class ComputePoint:
     """One run's score against its compute: ``training_flops`` (the manifest's
-    ``compute.training_flops_estimate``, :mod:`~prism_challenge.flops`) and ``prequential_bpb``."""
+    ``compute.training_flops_estimate``, :mod:`~prism_challenge.score.flops`) and ``prequential_bpb``."""
 
     label: str
     training_flops: int

@@ -7,34 +7,34 @@ CUDA run on a machine without CUDA, or a re-execution it cannot make on this mac
 per stage on stderr as it goes:
 
 1. **certificate**: the manifest's ed25519 signature over its RFC 8785 canonical form
-   (:mod:`prism_challenge.certificate`) verifies under a trusted key: the ``--key`` keys, the key
+   (:mod:`prism_challenge.manifest.certificate`) verifies under a trusted key: the ``--key`` keys, the key
    ``--service URL`` publishes at ``GET /version``, or else the user's own (``prism eval``'s
    default). An unsigned manifest, another key, or a signature that does not match is a mismatch;
 2. **bundle**: the sha256 of the bundle copy the run kept (``RUN_DIR/bundle``) is the manifest's;
 3. **data**: the sha256 of the data directory's MANIFEST (``--data``, default the manifest's
    ``data.dir``) is the manifest's ``data.manifest_sha256``;
 4. **score**: the counts, ``total_nats``, ``total_bits`` and ``prequential_bpb`` re-derived
-   from the curve (:func:`~prism_challenge.verify_recompute.check_score`);
+   from the curve (:func:`~prism_challenge.manifest.verify_recompute.check_score`);
 5. **verdict**: the verdict, its flags and ``final_score`` rebuilt under the profile's policy
-   (:func:`~prism_challenge.verify_recompute.check_verdict`);
+   (:func:`~prism_challenge.manifest.verify_recompute.check_verdict`);
 6. **draws**: the audited steps drawn again from the revealed ``run_secret`` are exactly the
-   listed ones (:func:`~prism_challenge.verify_recompute.check_draws`);
+   listed ones (:func:`~prism_challenge.manifest.verify_recompute.check_draws`);
 7. **audit**: each audited batch's snapshot file and inputs hash to the manifest's values; its
    recorded nats (summed over ranks) are the curve's batch; its slices are the stream's rows
    again, cut from the data directory's train split as the feeder cut them; its blind probes are
    the ones the secret draws; and fresh jailed processes re-score them from the snapshot and
-   re-run their blind probes (:mod:`prism_challenge.verify_audit`, :mod:`prism_challenge.rescore`): the re-scored nats must
+   re-run their blind probes (:mod:`prism_challenge.manifest.verify_audit`, :mod:`prism_challenge.audit.rescore`): the re-scored nats must
    reproduce the records within the audit's tolerance
    (:func:`~prism_challenge.evaluator.auditplan.within`). They run on the run's device kind
    under its recorded scoring autocast; a CUDA run on a machine without CUDA is refused before
    any stage (exit 2, the run's device named: on CPU it would differ by more than the
-   tolerance, :func:`~prism_challenge.verify_audit.rescoring_device`). A snapshot that ``prism
+   tolerance, :func:`~prism_challenge.manifest.verify_audit.rescoring_device`). A snapshot that ``prism
    runs prune`` removed (named in the run's prune record with the sha256 the manifest binds,
-   :mod:`prism_challenge.runs_prune`) cannot be re-scored: every other check of its batch is
+   :mod:`prism_challenge.manifest.runs_prune`) cannot be re-scored: every other check of its batch is
    made, and the run ends with exit 3 and ``verified except ...``, naming the batches not
    re-scored, never ``verified``;
 8. **re-execution** (``--reexecute``): the kept bundle runs again under the recorded settings,
-   seed and secret (:mod:`prism_challenge.verify_reexecute`); the curve must be equal bit for
+   seed and secret (:mod:`prism_challenge.manifest.verify_reexecute`); the curve must be equal bit for
    bit, and the trained state's sha256.
 """
 
@@ -48,14 +48,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prism_challenge.verify_recompute import CURVE_RTOL, Mismatch, curve_bpb  # noqa: F401 - re-exported
+from prism_challenge.manifest.verify_recompute import CURVE_RTOL, Mismatch, curve_bpb  # noqa: F401 - re-exported
 
 EXIT_VERIFIED, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_PRUNED = 0, 1, 2, 3
 
 
 def _check_bundle(run_dir: Path, manifest: dict[str, Any]) -> Path:
-    from prism_challenge.auditstage import BUNDLE_COPY
-    from prism_challenge.bundle import BundleError, load_bundle
+    from prism_challenge.audit.auditstage import BUNDLE_COPY
+    from prism_challenge.intake.bundle import BundleError, load_bundle
 
     copy = run_dir / BUNDLE_COPY
     try:
@@ -81,8 +81,8 @@ def _check_data(data_dir: Path, manifest: dict[str, Any]) -> Any:
 
 
 def validate_manifest(raw: dict[str, Any]) -> None:
-    """Check ``raw`` against :class:`~prism_challenge.results.RunManifest` (raises ``ValueError``)."""
-    from prism_challenge.results import RunManifest
+    """Check ``raw`` against :class:`~prism_challenge.manifest.results.RunManifest` (raises ``ValueError``)."""
+    from prism_challenge.manifest.results import RunManifest
 
     RunManifest.model_validate(raw)
 
@@ -106,7 +106,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     """
     import pydantic
 
-    from prism_challenge.run_manifest import MANIFEST_NAME
+    from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir}: " + ("not a directory: give the run directory that holds " + MANIFEST_NAME
@@ -175,17 +175,17 @@ class _Stages:
 
 def _trust(m: dict[str, Any], keys: list[str] | None, reexecute: bool, stages: _Stages) -> str:
     """The keys readable, the re-execution possible here, then the certificate; its key id."""
-    from prism_challenge.certificate import CertificateError, check_certificate, trusted_keys
+    from prism_challenge.manifest.certificate import CertificateError, check_certificate, trusted_keys
 
     try:
         trusted_keys(keys)  # a key that cannot be read is the caller's error (exit 2), not a mismatch
     except CertificateError as exc:
         raise ValueError(str(exc)) from None
-    from prism_challenge.verify_audit import rescoring_device
+    from prism_challenge.manifest.verify_audit import rescoring_device
 
     rescoring_device(m)  # a CUDA run on a machine without CUDA is refused first (exit 2), naming the device
     if reexecute:  # before anything long: a re-execution this machine cannot make is refused first
-        from prism_challenge.verify_reexecute import device_of
+        from prism_challenge.manifest.verify_reexecute import device_of
 
         device_of(m)
         stages.restart()
@@ -200,7 +200,7 @@ def _trust(m: dict[str, Any], keys: list[str] | None, reexecute: bool, stages: _
 def _recompute(m: dict[str, Any], profile: str | None, stages: _Stages,
                min_audited: int | None = None) -> tuple[float, list[float], list[int]]:
     """Score, verdict and draws from the manifest alone: (bpb, nats per batch, drawn steps)."""
-    from prism_challenge import verify_recompute as rc
+    from prism_challenge.manifest import verify_recompute as rc
 
     bpb, batch_nats = rc.check_score(m)
     stages.done("score", f"{len(batch_nats)} batches, {bpb:.6f} bpb from the curve")
@@ -218,11 +218,11 @@ def _rescore(run_dir: Path, m: dict[str, Any], copy: Path, data: Any, batch_nats
              timeout_s: float, stages: _Stages) -> tuple[int, int, int, list[int]]:
     """The audited batches' files, probes and re-scoring: (audited batches re-scored, blind
     probes passed, probe batches drawn again from the secret, the steps whose snapshot was
-    pruned: every check but the re-scoring and blind probes, :mod:`~prism_challenge.runs_prune`)."""
-    from prism_challenge import verify_recompute as rc
-    from prism_challenge.rescore import AuditError
-    from prism_challenge.runs_prune import pruned_steps
-    from prism_challenge.verify_audit import children, filler, load_audit
+    pruned: every check but the re-scoring and blind probes, :mod:`~prism_challenge.manifest.runs_prune`)."""
+    from prism_challenge.manifest import verify_recompute as rc
+    from prism_challenge.audit.rescore import AuditError
+    from prism_challenge.manifest.runs_prune import pruned_steps
+    from prism_challenge.manifest.verify_audit import children, filler, load_audit
 
     pruned, when = pruned_steps(run_dir, m)
     audits, inputs = load_audit(run_dir, m, batch_nats, data, pruned)
@@ -282,7 +282,7 @@ def verify(run_dir: Path, data_dir: Path | None = None, *, isolation: str = "str
     audited, probes, redrawn, pruned = _rescore(run_dir, m, copy, data, batch_nats, isolation, timeout_s, stages)
     again = None
     if reexecute:
-        from prism_challenge.verify_reexecute import reexecute as rerun
+        from prism_challenge.manifest.verify_reexecute import reexecute as rerun
 
         stages.say("re-execution", "the kept bundle runs again under the recorded settings ...")
         again = rerun(run_dir, m, copy, data, isolation, say=lambda line: stages.say("re-execution", line))
