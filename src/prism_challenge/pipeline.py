@@ -10,6 +10,7 @@ manifest. The runner (untrusted) only ever sees one batch at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -411,267 +412,318 @@ def _signer(opts: EvalOptions) -> Ed25519PrivateKey:
         raise EvalFailure(USAGE_STAGE, f"signing key: {exc}") from None
 
 
+@dataclass
+class _Run:
+    """One run's shared state, filled in stage by stage (:func:`_run_bundle`): what intake gave,
+    what each stage made, and the times the manifest's ``timing`` reads."""
+
+    opts: EvalOptions
+    control: RunControl
+    bundle: Bundle
+    frozen: FrozenBundle
+    device: str
+    t_start: float
+    signing_key: Ed25519PrivateKey
+    # the data stage
+    tokenizer: Any = None
+    data: Any = None
+    chunks: Any = None
+    profile_record: dict[str, Any] | None = None
+    # the launch
+    run_dir: Path = Path()
+    fresh_dir: bool = False
+    artifacts: Path = Path()
+    sock_path: str = ""
+    sock_tmp: Path | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    key: bytes = b""
+    feeder: Feeder | None = None
+    sandbox: _Sandbox | None = None
+    proc: Any = None
+    log_path: Path = Path()
+    t_launch: float = 0.0
+    cuda_check: CudaCheck | None = None
+    # the gates and the stream
+    gated: _Gated = field(default_factory=lambda: _Gated([], None, 0.0))
+    stack: Any = None
+    t_release: float = 0.0
+    cpu_release: Any = None
+    t_end: float = 0.0
+    result: FeederResult | None = None
+    killed_by: str | None = None
+    harness_killed: bool = False
+    # the score and after
+    failure: EvalFailure | None = None
+    score: Score | None = None
+    state_path: Path | None = None
+    audit: Any = None
+    verdict: Any = None
+    reference_codes: Any = None
+    t_done: float = 0.0
+
+
 def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float,
                 control: RunControl) -> EvalOutcome:
-    """Data, sandbox, feeder, torchrun (started before the gates), scoring, held-out, manifest.
+    """Data, launch (torchrun started before the gates), gates, stream, score, audit and
+    held-out, manifest: the stages in order, over one :class:`_Run`.
 
     torchrun is launched before the static gates and its ranks connect and wait: the runner
     learns which bundle to import only from the configuration the feeder sends once every gate
     passed, so nothing submitted runs in them before then, while the interpreter start and
     ``import torch`` of torchrun's agent and of every rank overlap the gates (the AST gates in
     this process, then the parameter cap in a child). A bundle the gates refuse kills the tree
-    and leaves no run directory behind.
+    and leaves no run directory behind: what the launch made is undone by one
+    :class:`~contextlib.ExitStack`, which the release empties (from then on the run directory
+    stays, and the stream stage ends the tree itself).
     """
-    signing_key = _signer(opts)  # a bad key is a usage error, before anything is launched
-    # 2. tokenizer and locked data (verified before anything is launched)
-    with control.stage("data"):
+    run = _Run(opts, control, bundle, frozen, device, t_start, _signer(opts))  # a bad key: before any launch
+    _load_data(run)
+    with contextlib.ExitStack() as undo:
+        _launch(run, undo)
+        _gates(run)
+        undo.pop_all()  # released: the run directory stays, and the stream stage ends the tree
+    _release(run)
+    total, unit = _stream_total(run)
+    with control.stage("stream", total=total, unit=unit, check=False) as mark:  # the tree runs: no raise here
+        _stream(run)
+        _score(run)
+        mark.failed = run.failure is not None
+    _save_state(run)
+    if run.failure is None:
+        refcodes = RefCodes(run.data, run.score.bytes)  # the compressors' code lengths, on a thread meanwhile
+        _audit_and_heldout(run)
+        _reference_codes(run, refcodes)
+    return _write_manifest(run)
+
+
+def _load_data(run: _Run) -> None:
+    """Stage ``data``: the bundle's reference tokenizer and the locked data, verified before
+    anything is launched; the profile's record.
+
+    Raises:
+        EvalFailure: stage ``intake`` (an unknown tokenizer), ``data`` (a bad data directory) or
+            :data:`USAGE_STAGE` (a tokenizer the profile does not allow).
+    """
+    opts = run.opts
+    with run.control.stage("data"):
         try:
-            tokenizer = reference_tokenizer(bundle.tokenizer)
+            run.tokenizer = reference_tokenizer(run.bundle.tokenizer)
         except TokenizerError as exc:
             raise EvalFailure("intake", f"prism.yaml: {exc}") from None
         try:
             data_dir = Path(opts.data_dir) if opts.data_dir else ensure_builtin()
-            data = load_manifest(data_dir)
-            data.verify("train")
-            chunks = train_stream(data, tokenizer)
+            run.data = load_manifest(data_dir)
+            run.data.verify("train")
+            run.chunks = train_stream(run.data, run.tokenizer)
         except DataError as exc:
             raise EvalFailure("data", str(exc)) from None
-        profile_record = _check_profile(opts, tokenizer.name, data)
-    control.check()
+        run.profile_record = _check_profile(opts, run.tokenizer.name, run.data)
+    run.control.check()
 
-    # 3. run directory, feeder socket, sandbox, torchrun
-    run_dir, fresh_dir = _new_run_dir(opts, bundle)
-    artifacts = run_dir / "artifacts"
-    artifacts.mkdir()
-    sock_path, sock_tmp = _socket_path(run_dir)
-    config = {
-        **_model_config(opts, bundle, tokenizer, device),
-        "artifacts_dir": str(artifacts),
-        "hidden": [str(p) for p in _hidden(data.root, run_dir, _key_paths(opts))],
+
+def _launch(run: _Run, undo: contextlib.ExitStack) -> None:
+    """The run directory, the feeder's socket, the sandbox, torchrun and (on CUDA) the CUDA
+    check, each with its undoing pushed on ``undo`` (run only if a stage before the release
+    fails).
+
+    Raises:
+        EvalFailure: stage ``isolation`` (no sandbox), or :data:`USAGE_STAGE` (``--out``).
+    """
+    opts, bundle = run.opts, run.bundle
+    run.run_dir, run.fresh_dir = _new_run_dir(opts, bundle)
+    undo.callback(_remove_run_dir, run.run_dir, run.fresh_dir)
+    run.artifacts = run.run_dir / "artifacts"
+    run.artifacts.mkdir()
+    run.sock_path, run.sock_tmp = _socket_path(run.run_dir)
+    if run.sock_tmp is not None:
+        undo.callback(shutil.rmtree, run.sock_tmp, ignore_errors=True)
+    run.config = {
+        **_model_config(opts, bundle, run.tokenizer, run.device),
+        "artifacts_dir": str(run.artifacts),
+        "hidden": [str(p) for p in _hidden(run.data.root, run.run_dir, _key_paths(opts))],
         "token_budget": opts.token_budget,
         "step_budget": opts.step_budget,
         "training": [bundle.training.module, bundle.training.symbol],
         "audit": opts.audited_batches > 0,  # rank 0 keeps each batch's weights until the feeder's answer
         "profile_phases": opts.profile_phases,  # benchmarks: evaluator/phases.py
     }
-    running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
-
-    def _recorded(rec: StepRecord) -> None:  # on the feeder's thread
-        running["nats"] += rec.nats
-        running["bytes"] += rec.bytes
-        running["targets"] += rec.targets
-        running["batches"] += 1
-        control.emit(BatchScored(
-            batch=int(running["batches"]) - 1, targets=rec.targets, bytes=rec.bytes, nats=rec.nats,
-            targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
-            bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None,
-            tokens_so_far=feeder.result.tokens_consumed))  # set by the feeder just before this call
-
-    key = run_secret(opts)  # after intake; never sent to the sandbox
-    feeder = Feeder(
-        sock_path,
-        chunks,
-        config,
+    run.key = run_secret(opts)  # after intake; never sent to the sandbox
+    run.feeder = feeder = Feeder(
+        run.sock_path,
+        run.chunks,
+        run.config,
         world_size=opts.nproc,
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=run.tokenizer.vocab_size,
         token_budget=opts.token_budget,
         byte_budget=opts.byte_budget,
         step_budget=opts.step_budget,
         wall_clock_budget=opts.wall_clock_budget,
-        on_record=_recorded,
+        on_record=_on_record(run),
         # the scored model's state: 16 bytes per capped element (float64, a tied tensor twice)
         max_state_bytes=16 * opts.max_parameters + (1 << 20),
-        probe_key=key,
-        audit_dir=run_dir / AUDIT_DIR,
+        probe_key=run.key,
+        audit_dir=run.run_dir / AUDIT_DIR,
         audited_batches=opts.audited_batches,
     )
-    try:
-        sandbox = _sandbox(opts, run_dir, artifacts, data.root, bundle, device)
-    except EvalFailure:
-        feeder.close()
-        if sock_tmp is not None:
-            shutil.rmtree(sock_tmp, ignore_errors=True)
-        _remove_run_dir(run_dir, fresh_dir)
-        raise
-    control.on_cancel(sandbox.jail.kill_all)  # torchrun's tree and every bounded child, at once
-    control.on_cancel(sandbox.guard.kill)  # and whatever runs as the sandbox uid
-    log_path = run_dir / "logs" / "runner.log"
+    undo.callback(feeder.close)
+    run.sandbox = sandbox = _sandbox(opts, run.run_dir, run.artifacts, run.data.root, bundle, run.device)
+    undo.callback(sandbox.guard.kill)
+    run.control.on_cancel(sandbox.jail.kill_all)  # torchrun's tree and every bounded child, at once
+    run.control.on_cancel(sandbox.guard.kill)  # and whatever runs as the sandbox uid
+    run.log_path = run.run_dir / "logs" / "runner.log"
     feeder.start(release=False)
-    t_launch = time.monotonic()
-    proc = launch(
-        opts.nproc,
-        {ENV_SOCKET: sock_path, ENV_TOKEN: feeder.token},
-        log_path,
-        jail=sandbox.jail,
-        cwd=artifacts,
-        socket_dir=Path(sock_path).parent,
-        warm=opts.warm_ranks,
-    )
-    cuda_check = start_cuda_check(sandbox.jail, opts.nproc) if device == "cuda" else None  # meanwhile
-    gated = _Gated([], None, 0.0)
-    try:
-        if opts.run_gates:
-            with control.stage("gates"):
-                if opts.static_gates:
-                    gated = _static_gates(opts, bundle.root)
-                    if gated.bundle_sha256 != bundle.sha256:
-                        raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-                gated = _parameter_gate(opts, bundle, tokenizer.vocab_size, gated, sandbox.jail,
-                                        context_values(config, opts.nproc))
-            control.check()
-        stack = _cuda_stack(cuda_check, sandbox.jail)
-    except BaseException:
-        feeder.close()
-        proc.kill()
-        sandbox.guard.kill()
-        if sock_tmp is not None:
-            shutil.rmtree(sock_tmp, ignore_errors=True)
-        _remove_run_dir(run_dir, fresh_dir)
-        raise
-    feeder.release()
-    t_release = feeder.released_at or time.monotonic()
-    cpu_release = resource.getrusage(resource.RUSAGE_SELF)
-    findings, param_count_gate = gated.findings, gated.parameter_count
+    run.t_launch = time.monotonic()
+    run.proc = launch(opts.nproc, {ENV_SOCKET: run.sock_path, ENV_TOKEN: feeder.token}, run.log_path,
+                      jail=sandbox.jail, cwd=run.artifacts, socket_dir=Path(run.sock_path).parent, warm=opts.warm_ranks)
+    undo.callback(run.proc.kill)
+    run.cuda_check = start_cuda_check(sandbox.jail, opts.nproc) if run.device == "cuda" else None  # meanwhile
+
+
+def _on_record(run: _Run) -> Callable[[StepRecord], None]:
+    """The feeder's ``on_record``: each scored batch as a :class:`~prism_challenge.events.BatchScored`
+    event, with the stream's running totals (called on the feeder's thread)."""
+    running: dict[str, float] = {"nats": 0.0, "bytes": 0, "targets": 0, "batches": 0}
+
+    def recorded(rec: StepRecord) -> None:
+        running["nats"] += rec.nats
+        running["bytes"] += rec.bytes
+        running["targets"] += rec.targets
+        running["batches"] += 1
+        run.control.emit(BatchScored(
+            batch=int(running["batches"]) - 1, targets=rec.targets, bytes=rec.bytes, nats=rec.nats,
+            targets_so_far=int(running["targets"]), bytes_so_far=int(running["bytes"]), nats_so_far=running["nats"],
+            bpb_so_far=running["nats"] / math.log(2) / running["bytes"] if running["bytes"] else None,
+            tokens_so_far=run.feeder.result.tokens_consumed))  # set by the feeder just before this call
+
+    return recorded
+
+
+def _gates(run: _Run) -> None:
+    """Stage ``gates`` (while torchrun starts): the static gates, then the parameter cap in a
+    jailed child; then the CUDA check's answer.
+
+    Raises:
+        EvalFailure: stage ``gates`` (blocking findings), ``intake`` (the bundle changed while
+            the gates ran) or ``isolation`` (CUDA does not start in the sandbox).
+    """
+    opts, jail = run.opts, run.sandbox.jail
+    if opts.run_gates:
+        with run.control.stage("gates"):
+            if opts.static_gates:
+                run.gated = _static_gates(opts, run.bundle.root)
+                if run.gated.bundle_sha256 != run.bundle.sha256:
+                    raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
+            run.gated = _parameter_gate(opts, run.bundle, run.tokenizer.vocab_size, run.gated, jail,
+                                        context_values(run.config, opts.nproc))
+        run.control.check()
+    run.stack = _cuda_stack(run.cuda_check, jail)
+
+
+def _stream_total(run: _Run) -> tuple[int | None, str]:
+    """The progress bar's total and unit: the token budget, else the bytes the stream can score."""
+    opts = run.opts
     if opts.token_budget:
-        total, unit = opts.token_budget, "tokens"
-    else:
-        total, unit = int(data.split("train").get("utf8_bytes") or 0) or None, "bytes"
-        if opts.byte_budget:
-            total = min(total, opts.byte_budget) if total else opts.byte_budget
-    stream_stage = control.stage("stream", total=total, unit=unit, check=False)  # the tree runs: no raise here
-    stream_mark = stream_stage.__enter__()
+        return opts.token_budget, "tokens"
+    total = int(run.data.split("train").get("utf8_bytes") or 0) or None
+    if opts.byte_budget:
+        total = min(total, opts.byte_budget) if total else opts.byte_budget
+    return total, "bytes"
+
+
+def _release(run: _Run) -> None:
+    """Every gate passed: the feeder sends the ranks their configuration, and the run starts
+    (the wall-clock budget and ``timing`` count from here)."""
+    run.feeder.release()
+    run.t_release = run.feeder.released_at or time.monotonic()
+    run.cpu_release = resource.getrusage(resource.RUSAGE_SELF)
+
+
+def _stream(run: _Run) -> None:
+    """The stream: watch the ranks to the end (budgets, stalls, cancel), then end the tree and
+    read the feeder's result. Sets ``run.result``, ``killed_by`` and ``harness_killed``; never
+    raises for the run's own failure (:func:`_score` judges it)."""
+    opts, feeder, proc, sandbox = run.opts, run.feeder, run.proc, run.sandbox
     try:
-        killed_by = _watch(opts, proc, feeder, sandbox.guard, t_release, control)
+        run.killed_by = _watch(opts, proc, feeder, sandbox.guard, run.t_release, run.control)
     finally:
         if proc.poll() is not None:  # torchrun ended by itself: read what its ranks wrote last
             feeder.drain(DRAIN_S)
         feeder.stopping.set()  # connections the kill closes are not the runner's failure
-        harness_killed = proc.poll() is None
-        if harness_killed:
+        run.harness_killed = proc.poll() is None
+        if run.harness_killed:
             proc.kill()
         proc.close_log()  # the ranks' last output, the log capped (outputcap)
         sandbox.guard.kill()
         sandbox.jail.close()
-        result = feeder.finish()
-        if sock_tmp is not None:
-            shutil.rmtree(sock_tmp, ignore_errors=True)
-    t_end = time.monotonic()
-    _drop_c10d_warnings(log_path)
+        run.result = feeder.finish()
+        if run.sock_tmp is not None:
+            shutil.rmtree(run.sock_tmp, ignore_errors=True)
+    run.t_end = time.monotonic()
+    _drop_c10d_warnings(run.log_path)
     if opts.profile_phases:
-        write_phases(run_dir / "logs" / "phases.json", result, cpu_release, t_end - t_release)
+        write_phases(run.run_dir / "logs" / "phases.json", run.result, run.cpu_release, run.t_end - run.t_release)
 
-    # 4. score what was scored
-    if control.cancelled:  # the watcher killed the tree: whatever the feeder saw after, it was the kill
-        killed_by = "cancelled"
-    outside = None if harness_killed or killed_by == "cancelled" else _signal_of(proc.poll())
-    failure = _judge(opts, result, killed_by, proc, log_path, sandbox.jail, outside)
-    changed = frozen.changes()
+
+def _score(run: _Run) -> None:
+    """Score what was scored: why the run cannot be scored (:func:`_judge`, the frozen bundle's
+    check) in ``run.failure``, else its prequential score in ``run.score``. An unscored run
+    keeps no weights: the audit's snapshots go."""
+    opts, result, proc = run.opts, run.result, run.proc
+    if run.control.cancelled:  # the watcher killed the tree: whatever the feeder saw after, it was the kill
+        run.killed_by = "cancelled"
+    outside = None if run.harness_killed or run.killed_by == "cancelled" else _signal_of(proc.poll())
+    failure = _judge(opts, result, run.killed_by, proc, run.log_path, run.sandbox.jail, outside)
+    changed = run.frozen.changes()
     if changed:  # the ranks imported something other than what the gates read and the manifest names
         failure = EvalFailure("contract", f"the frozen bundle changed during the run: {', '.join(changed[:5])}")
-    score: Score | None = None
     if failure is None:
         try:
-            score = prequential_score(result.steps)
+            run.score = prequential_score(result.steps)
         except ScoringError as exc:
             failure = EvalFailure("scoring", str(exc))
-    stream_mark.failed = failure is not None
-    if failure is not None:  # an unscored run keeps no weights: the audit's snapshots go too
-        drop_snapshots(run_dir)
-    stream_stage.__exit__(None, None, None)
-    state_path = None
-    if result.state and failure is None:
-        state_path = run_dir / "model" / STATE_NAME
-        state_path.parent.mkdir(exist_ok=True)
-        torch.save(result.state, state_path)
-
-    # 5. the audit and the held-out evaluation (bounded, sandboxed, fresh processes), the verdict;
-    # meanwhile, on a thread, the reference compressors' code lengths of the scored bytes
-    verdict = None
-    audit = None
-    refcodes = RefCodes(data, score.bytes) if score is not None and failure is None else None
-    if score is not None and failure is None:
-        audit, verdict = _audit_and_heldout(_After(opts, control, sandbox.jail, bundle, data, tokenizer, device,
-                                                   config, result, score, state_path, key),
-                                            frozen, run_dir, artifacts)
-    if control.cancelled and failure is None:  # cancelled during the held-out stage
-        failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
-    reference_codes = None
-    if refcodes is not None and failure is None:
-        reference_codes = refcodes.result(lambda: control.cancelled)
-        if control.cancelled:  # cancelled while the compressors ran
-            failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
-    t_done = time.monotonic()
-
-    planted = discard_planted(artifacts)
-    manifest = _manifest(
-        opts, bundle, data, tokenizer, device, result, score, failure, findings, param_count_gate, planted, state_path,
-        timing={
-            "gates_s": gated.seconds,
-            "launch_to_release_s": t_release - t_launch,
-            "launch_to_ready_s": (result.ready_at - t_launch) if result.ready_at else None,
-            "launch_to_first_batch_s": (result.first_batch_at - t_launch) if result.first_batch_at else None,
-            "launch_to_last_record_s": (result.last_record_at - t_launch) if result.last_record_at else None,
-            "release_to_first_batch_s": (result.first_batch_at - t_release) if result.first_batch_at else None,
-            "release_to_last_record_s": (result.last_record_at - t_release) if result.last_record_at else None,
-            "start_to_last_record_s": (result.last_record_at - t_start) if result.last_record_at else None,
-            "last_record_unix": (time.time() - (time.monotonic() - result.last_record_at))
-            if result.last_record_at else None,
-            "after_stream_s": (t_end - result.last_record_at) if result.last_record_at else None,
-            "heldout_s": t_done - t_end,
-            "wall_s": t_done - t_start,
-        },
-    )
-    manifest["profile"] = profile_record
-    manifest["isolation"] = sandbox.summary()
-    manifest["compute"]["gpu"] = gpu_record(stack, result.done)
-    manifest["compute"].update(run_spent(  # FLOPs, wall time, device-seconds (flops)
-        audit, result.steps, run_wall_s=t_done - t_start, world_size=opts.nproc,
-        stream_wall_s=(result.last_record_at - t_release) if result.last_record_at else None))
-    manifest["verdict"] = verdict.to_dict() if verdict is not None else None
-    manifest["audit"] = audit.to_dict() if audit is not None else None
-    manifest["reference_codes"] = reference_codes
-    manifest["run_secret"] = key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
-    with control.stage("manifest", check=False):
-        manifest = _signed(manifest, signing_key)
-        write_run_manifest(run_dir, manifest)
-    return EvalOutcome(run_dir, manifest, score, failure, findings)
+    run.failure = failure
+    if failure is not None:
+        drop_snapshots(run.run_dir)
 
 
-@dataclass
-class _After:
-    """What the stages after the stream share (:func:`_audit_and_heldout`)."""
-    opts: EvalOptions
-    control: RunControl
-    jail: Jail
-    bundle: Bundle
-    data: Any
-    tokenizer: Any
-    device: str
-    config: dict[str, Any]
-    result: FeederResult
-    score: Score
-    state_path: Path | None
-    key: bytes
+def _save_state(run: _Run) -> None:
+    """The scored model's state, for the held-out stage (``model/``, which no jailed process sees)."""
+    if run.result.state and run.failure is None:
+        run.state_path = run.run_dir / "model" / STATE_NAME
+        run.state_path.parent.mkdir(exist_ok=True)
+        torch.save(run.result.state, run.state_path)
 
 
-def _audit_and_heldout(run: _After, frozen: FrozenBundle, run_dir: Path, artifacts: Path) -> tuple[Any, Any]:
-    """Stage 5 of a scored run: the audit (re-scoring, blind probes), then the held-out
-    evaluation, then the verdict: ``(audit report or None, verdict or None if cancelled first)``.
+def _reference_codes(run: _Run, refcodes: RefCodes) -> None:
+    """The reference compressors' code lengths of the scored bytes, once their thread is done;
+    a run cancelled during the held-out stage or while they ran fails ``cancelled``."""
+    control = run.control
+    if control.cancelled:  # cancelled during the held-out stage
+        run.failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
+        return
+    run.reference_codes = refcodes.result(lambda: control.cancelled)
+    if control.cancelled:  # cancelled while the compressors ran
+        run.failure = EvalFailure("cancelled", CANCELLED_MESSAGE)
 
-    One emptied artifacts folder serves both stages (:func:`~prism_challenge.audit.auditstage.empty_artifacts`;
+
+def _audit_and_heldout(run: _Run) -> None:
+    """Stage ``heldout`` of a scored run: the audit (re-scoring, blind probes), then the
+    held-out evaluation, then the verdict, in ``run.audit`` and ``run.verdict`` (the verdict
+    stays ``None`` if the run is cancelled first).
+
+    One emptied artifacts folder serves both (:func:`~prism_challenge.audit.auditstage.empty_artifacts`;
     every child empties it again before it is fed). The jail is closed at the end: no spare
     child outlives the run."""
-    opts, control, jail, result, score = run.opts, run.control, run.jail, run.result, run.score
-    verdict = audit = None
+    opts, control, jail, result, score = run.opts, run.control, run.sandbox.jail, run.result, run.score
     try:
-        with control.stage("heldout", check=False) as mark, empty_artifacts(artifacts) as empty:
-            keep_bundle(frozen.root, run_dir)  # a cancel here still writes the manifest (check=False)
+        with control.stage("heldout", check=False) as mark, empty_artifacts(run.artifacts) as empty:
+            keep_bundle(run.frozen.root, run.run_dir)  # a cancel here still writes the manifest (check=False)
             if opts.audited_batches > 0:
                 control.emit(StageCount(stage="heldout", part="re-scored"))
-                audit = audit_run(jail=jail, config=child_config(
+                run.audit = audit = audit_run(jail=jail, config=child_config(
                     _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
                     list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data, tokenizer=run.tokenizer,
-                    key=run.key, artifacts=empty, run_dir=run_dir, timeout_s=opts.heldout_timeout,
+                    key=run.key, artifacts=empty, run_dir=run.run_dir, timeout_s=opts.heldout_timeout,
                     audited_batches=opts.audited_batches)
                 control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
                 control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
@@ -688,12 +740,56 @@ def _audit_and_heldout(run: _After, frozen: FrozenBundle, run_dir: Path, artifac
                 # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                 verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
                                               flags=[*verdict.flags, "heldout_contract"])
-            if audit is not None:
-                verdict = apply_audit(verdict, audit)
+            run.verdict = apply_audit(verdict, run.audit) if run.audit is not None else verdict
             mark.failed = control.cancelled
     finally:
         jail.close()  # no spare child (Jail.warm) outlives the run
-    return audit, verdict
+
+
+def _write_manifest(run: _Run) -> EvalOutcome:
+    """Stage ``manifest``: the run's record (:func:`_manifest`, with its ``timing``, isolation,
+    compute, verdict, audit and reference code lengths), signed and written to the run
+    directory; the outcome."""
+    opts, result, gated = run.opts, run.result, run.gated
+    run.t_done = t_done = time.monotonic()
+    planted = discard_planted(run.artifacts)
+    manifest = _manifest(opts, run.bundle, run.data, run.tokenizer, run.device, result, run.score, run.failure,
+                         gated.findings, gated.parameter_count, planted, run.state_path, timing=_timing(run))
+    manifest["profile"] = run.profile_record
+    manifest["isolation"] = run.sandbox.summary()
+    manifest["compute"]["gpu"] = gpu_record(run.stack, result.done)
+    manifest["compute"].update(run_spent(  # FLOPs, wall time, device-seconds (flops)
+        run.audit, result.steps, run_wall_s=t_done - run.t_start, world_size=opts.nproc,
+        stream_wall_s=(result.last_record_at - run.t_release) if result.last_record_at else None))
+    manifest["verdict"] = run.verdict.to_dict() if run.verdict is not None else None
+    manifest["audit"] = run.audit.to_dict() if run.audit is not None else None
+    manifest["reference_codes"] = run.reference_codes
+    manifest["run_secret"] = run.key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
+    with run.control.stage("manifest", check=False):
+        manifest = _signed(manifest, run.signing_key)
+        write_run_manifest(run.run_dir, manifest)
+    return EvalOutcome(run.run_dir, manifest, run.score, run.failure, gated.findings)
+
+
+def _timing(run: _Run) -> dict[str, Any]:
+    """The manifest's ``timing``: seconds between the run's marks (``time.monotonic``), and the
+    last record's Unix time."""
+    result, t_launch, t_release, t_start = run.result, run.t_launch, run.t_release, run.t_start
+    last, first, ready = result.last_record_at, result.first_batch_at, result.ready_at
+    return {
+        "gates_s": run.gated.seconds,
+        "launch_to_release_s": t_release - t_launch,
+        "launch_to_ready_s": (ready - t_launch) if ready else None,
+        "launch_to_first_batch_s": (first - t_launch) if first else None,
+        "launch_to_last_record_s": (last - t_launch) if last else None,
+        "release_to_first_batch_s": (first - t_release) if first else None,
+        "release_to_last_record_s": (last - t_release) if last else None,
+        "start_to_last_record_s": (last - t_start) if last else None,
+        "last_record_unix": (time.time() - (time.monotonic() - last)) if last else None,
+        "after_stream_s": (run.t_end - last) if last else None,
+        "heldout_s": run.t_done - run.t_end,
+        "wall_s": run.t_done - t_start,
+    }
 
 
 def write_phases(path: Path, result: FeederResult, cpu_release: Any, wall_s: float) -> None:
