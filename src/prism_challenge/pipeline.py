@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import platform
 import resource
 import secrets
-import shlex
 import shutil
 import signal
 import time
@@ -31,7 +28,7 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from prism_challenge import __version__, scratch
+from prism_challenge import scratch
 from prism_challenge.audit.auditstage import (
     AUDIT_DIR,
     audit_run,
@@ -43,7 +40,7 @@ from prism_challenge.audit.auditstage import (
 )
 from prism_challenge.audit.auditstage import apply as apply_audit
 from prism_challenge.intake.bundle import Bundle, BundleError, load_bundle
-from prism_challenge.manifest.certificate import CertificateError, load_private_key, sign_manifest, user_key, user_key_path
+from prism_challenge.manifest.certificate import CertificateError, load_private_key, user_key, user_key_path
 from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.manifest import DataError, load_manifest
@@ -77,9 +74,11 @@ from prism_challenge.options import (  # noqa: F401 - re-exported: the pipeline'
     DEFAULT_THREADS,
     EvalOptions,
 )
-from prism_challenge.manifest.run_manifest import SCHEMA, discard_planted, write_run_manifest
-from prism_challenge.score.scoring import Score, ScoringError, curve, prequential_score
-from prism_challenge.score.scoringprecision import scoring_autocast, scoring_record
+from prism_challenge.gates.stage import Gated, parameter_cap, static_gates
+from prism_challenge.manifest.record import build_manifest, run_budgets, signed_manifest, stream_counts, write_phases
+from prism_challenge.manifest.run_manifest import discard_planted, write_run_manifest
+from prism_challenge.score.scoring import Score, ScoringError, prequential_score
+from prism_challenge.score.scoringprecision import scoring_autocast
 from prism_challenge.tokenizers import TokenizerError, reference_tokenizer
 from prism_challenge.score.verdict import budget_share, build_verdict
 
@@ -98,8 +97,6 @@ NO_ISOLATION_WARNING = (
     "--isolation none: the submission ran unsandboxed, with this user's network, files and privileges; "
     "this run is not tamper-resistant and must not be ranked"
 )
-
-
 
 
 @dataclass
@@ -261,85 +258,12 @@ def evaluate(opts: EvalOptions, control: RunControl | None = None) -> EvalOutcom
                 bundle = load_bundle(frozen.root)
             except BundleError as exc:
                 if opts.run_gates:  # the gates name the broken rule with its file; nothing is launched
-                    _static_gates(opts, frozen.root)
+                    static_gates(opts, frozen.root)
                 raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
         return _run_bundle(opts, bundle, frozen, device, t_start, control)
     finally:
         if frozen is not None:
             frozen.remove()
-
-
-@dataclass
-class _Gated:
-    """What the static gates said about a bundle that passed them."""
-
-    findings: list[Any]
-    parameter_count: int | None
-    seconds: float
-    bundle_sha256: str | None = None
-
-
-def check_command(opts: EvalOptions) -> str:
-    """The ``prism check`` command line that reproduces this run's gate findings (the settings
-    the gates depend on: ``--nproc``, ``--seq-len``, ``--max-parameters``)."""
-    parts = ["prism", "check", shlex.quote(str(opts.bundle))]
-    if opts.nproc != 1:
-        parts += ["--nproc", str(opts.nproc)]
-    if opts.seq_len != DEFAULT_SEQ_LEN:
-        parts += ["--seq-len", str(opts.seq_len)]
-    if opts.max_parameters != DEFAULT_MAX_PARAMETERS:
-        parts += ["--max-parameters", str(opts.max_parameters)]
-    return " ".join(parts)
-
-
-def _refuse(findings: list[Any], opts: EvalOptions) -> EvalFailure:
-    """The gates' failure: every blocking finding (``file:line:col: rule: message``) in ``detail``."""
-    return EvalFailure(
-        "gates",
-        f"{sum(f.blocking for f in findings)} blocking finding(s); `{check_command(opts)}` lists them",
-        "\n".join(f"{f.file}:{f.line}:{f.col}: {f.rule}: {f.message}" for f in findings if f.blocking),
-        findings=findings,
-    )
-
-
-def _static_gates(opts: EvalOptions, root: Path) -> _Gated:
-    """Every static gate over the bundle directory ``root`` except the parameter cap (which
-    runs ``build_model`` in a child, see :func:`_parameter_gate`).
-
-    Raises:
-        EvalFailure: at stage ``gates`` (blocking findings) or ``intake`` (unreadable bundle).
-    """
-    from prism_challenge.gates import run_gates
-
-    t0 = time.monotonic()
-    try:
-        report = run_gates(root, max_parameters=opts.max_parameters, nproc=opts.nproc, nnodes=opts.nnodes,
-                           seq_len=opts.seq_len, check_params=False, device=opts.device)
-    except BundleError as exc:
-        raise EvalFailure("intake", f"{exc.rule}: {exc}") from None
-    report.cleanup()  # a directory bundle: nothing was extracted
-    if report.blocking:
-        raise _refuse(list(report.findings), opts)
-    return _Gated(list(report.findings), None, time.monotonic() - t0,
-                  report.bundle.sha256 if report.bundle is not None else None)
-
-
-def _parameter_gate(opts: EvalOptions, bundle: Bundle, vocab_size: int, gated: _Gated, jail: Jail,
-                    context: dict[str, Any] | None = None) -> _Gated:
-    """The parameter cap (the last gate) added to ``gated``.
-
-    Raises:
-        EvalFailure: at stage ``gates`` when the cap is exceeded or the model cannot be built.
-    """
-    from prism_challenge.gates import parameter_gate
-
-    t0 = time.monotonic()
-    found, count = parameter_gate(bundle, vocab_size=vocab_size, seq_len=opts.seq_len,
-                                  max_parameters=opts.max_parameters, jail=jail, context=context)
-    findings = sorted([*gated.findings, *found], key=lambda f: (f.file, f.line, f.col, f.rule, f.message))
-    if any(f.blocking for f in found):
-        raise _refuse(findings, opts)
-    return _Gated(findings, count, gated.seconds + time.monotonic() - t0, gated.bundle_sha256)
 
 
 @dataclass
@@ -444,7 +368,7 @@ class _Run:
     t_launch: float = 0.0
     cuda_check: CudaCheck | None = None
     # the gates and the stream
-    gated: _Gated = field(default_factory=lambda: _Gated([], None, 0.0))
+    gated: Gated = field(default_factory=lambda: Gated([], None, 0.0))
     stack: Any = None
     t_release: float = 0.0
     cpu_release: Any = None
@@ -610,10 +534,10 @@ def _gates(run: _Run) -> None:
     if opts.run_gates:
         with run.control.stage("gates"):
             if opts.static_gates:
-                run.gated = _static_gates(opts, run.bundle.root)
+                run.gated = static_gates(opts, run.bundle.root)
                 if run.gated.bundle_sha256 != run.bundle.sha256:
                     raise EvalFailure("intake", f"{opts.bundle}: the bundle's files changed while the gates ran")
-            run.gated = _parameter_gate(opts, run.bundle, run.tokenizer.vocab_size, run.gated, jail,
+            run.gated = parameter_cap(opts, run.bundle, run.tokenizer.vocab_size, run.gated, jail,
                                         context_values(run.config, opts.nproc))
         run.control.check()
     run.stack = _cuda_stack(run.cuda_check, jail)
@@ -735,7 +659,7 @@ def _audit_and_heldout(run: _Run) -> None:
                 control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
             verdict = build_verdict(score.prequential_bpb, result.steps, run.tokenizer.vocab_size, heldout,
                                     heldout_error=heldout_error, policy=opts.policy, stop_reason=result.stop_reason,
-                                    covered=budget_share(_stream_counts(result), _budgets(opts)))
+                                    covered=budget_share(stream_counts(result), run_budgets(opts)))
             if heldout_error is not None and heldout_error.startswith("contract:"):
                 # the trained model broke the contract on held-out text (e.g. it is not causal): zeroed
                 verdict = dataclasses.replace(verdict, anti_cheat_multiplier=0.0, final_score=0.0,
@@ -753,7 +677,7 @@ def _write_manifest(run: _Run) -> EvalOutcome:
     opts, result, gated = run.opts, run.result, run.gated
     run.t_done = t_done = time.monotonic()
     planted = discard_planted(run.artifacts)
-    manifest = _manifest(opts, run.bundle, run.data, run.tokenizer, run.device, result, run.score, run.failure,
+    manifest = build_manifest(opts, run.bundle, run.data, run.tokenizer, run.device, result, run.score, run.failure,
                          gated.findings, gated.parameter_count, planted, run.state_path, timing=_timing(run))
     manifest["profile"] = run.profile_record
     manifest["isolation"] = run.sandbox.summary()
@@ -766,7 +690,7 @@ def _write_manifest(run: _Run) -> EvalOutcome:
     manifest["reference_codes"] = run.reference_codes
     manifest["run_secret"] = run.key.hex()  # revealed now that the run has ended: anyone can re-derive the draws
     with run.control.stage("manifest", check=False):
-        manifest = _signed(manifest, run.signing_key)
+        manifest = signed_manifest(manifest, run.signing_key)
         write_run_manifest(run.run_dir, manifest)
     return EvalOutcome(run.run_dir, manifest, run.score, run.failure, gated.findings)
 
@@ -790,35 +714,6 @@ def _timing(run: _Run) -> dict[str, Any]:
         "heldout_s": run.t_done - run.t_end,
         "wall_s": run.t_done - t_start,
     }
-
-
-def write_phases(path: Path, result: FeederResult, cpu_release: Any, wall_s: float) -> None:
-    """``--profile-phases``: each rank's phase seconds (its DONE header's ``phases``) and the
-    trusted parent's CPU seconds (all its threads: feeder, guard, progress) from the release to
-    the end of the stream, as JSON."""
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    path.write_text(json.dumps({
-        "ranks": {str(r): d.get("phases") for r, d in sorted(result.done.items())},
-        "parent": {"wall_s": round(wall_s, 6), "cpu_user_s": round(use.ru_utime - cpu_release.ru_utime, 6),
-                   "cpu_system_s": round(use.ru_stime - cpu_release.ru_stime, 6)},
-    }, indent=1))
-
-
-def _signed(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
-    """The manifest in the typed model's JSON form (what the service stores and the API returns:
-    it round-trips, so the signature holds there too) with its certificate
-    (:func:`~prism_challenge.manifest.certificate.sign_manifest`); unsigned when it has no canonical form
-    (a non-finite figure: ``prism verify`` then refuses it)."""
-    from prism_challenge.manifest.results import RunManifest
-
-    try:
-        manifest = RunManifest.model_validate(manifest).to_json_dict()
-    except ValueError:  # a manifest the model refuses is written as it is (the tests catch that bug)
-        pass
-    try:
-        return sign_manifest(manifest, key)
-    except CertificateError:
-        return manifest
 
 
 def _cuda_stack(check: CudaCheck | None, jail: Jail) -> dict[str, Any]:
@@ -1053,84 +948,3 @@ def _one_line(error: str, log: Path) -> str:
     return line + (f"; hint: {hint}" if hint else "") + where
 
 
-def _budgets(opts: EvalOptions) -> dict[str, Any]:
-    """The run manifest's ``budgets`` (also :func:`~prism_challenge.score.crown.budget_share`'s)."""
-    return {"token_budget": opts.token_budget, "byte_budget": opts.byte_budget, "step_budget": opts.step_budget,
-            "wall_clock_budget_s": opts.wall_clock_budget}
-
-
-def _stream_counts(result: FeederResult) -> dict[str, int]:
-    """The run manifest's ``stream`` counts: batches, tokens, targets and bytes the stream covered."""
-    return {"batches": len(result.steps), "tokens": result.tokens_consumed,
-            "targets": sum(s.targets for s in result.steps), "bytes": sum(s.bytes for s in result.steps)}
-
-
-def _manifest(opts, bundle, data, tokenizer, device, result: FeederResult, score, failure, findings,
-              param_count_gate, planted, state_path, timing) -> dict[str, Any]:
-    done = result.done
-    counts = {d.get("parameter_count") for d in done.values() if d.get("parameter_count") is not None}
-    return {
-        "schema": SCHEMA,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tool": {"name": "prism-challenge", "version": __version__},
-        "status": "scored" if failure is None else "cancelled" if failure.kind == "cancelled" else "failed",
-        "failure": None if failure is None else failure.to_dict(),
-        "bundle": {
-            "path": str(Path(opts.bundle).resolve()),  # as given: not a temporary extraction or copy
-            "sha256": bundle.sha256,
-            "files": bundle.file_hashes,
-            "architecture": f"{bundle.architecture.file}:{bundle.architecture.symbol}",
-            "training": f"{bundle.training.file}:{bundle.training.symbol}",
-        },
-        "gates": {"findings": [f.to_dict() for f in findings], "parameter_count": param_count_gate},
-        "data": {
-            "dir": str(data.root),
-            "manifest_sha256": data.sha256,
-            "source": data.data.get("source"),
-            "split": "train",
-        },
-        "tokenizer": {
-            "name": tokenizer.name,
-            "sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size,
-            "eot_token": tokenizer.eot_token,
-        },
-        "seed": opts.seed,
-        "config": {"sequence_length": opts.seq_len, "max_parameters": opts.max_parameters, "threads": opts.threads,
-                   **scoring_record(opts, bundle),
-                   "policy": dataclasses.asdict(opts.policy)},
-        "budgets": _budgets(opts),
-        "compute": {
-            "torch_version": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "device": device,
-            "world_size": opts.nproc,
-            "nproc_per_node": opts.nproc,
-            "nnodes": 1,
-            "warm_ranks": opts.warm_ranks,  # rank processes started while the gates ran (evaluator/warm.py)
-            "launcher": agent_of(opts.nproc, opts.warm_ranks),  # torchrun, or the single-rank agent
-            "device_name": done.get(0, {}).get("device_name"),
-            "peak_rss_bytes": {str(r): d.get("peak_rss_bytes") for r, d in sorted(done.items())},
-            "peak_device_bytes": {str(r): d.get("peak_device_bytes") for r, d in sorted(done.items()) if "peak_device_bytes" in d},
-            "parent_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        },
-        "model": {
-            "parameter_count": counts.pop() if len(counts) == 1 else None,
-            "state_sha256": done.get(0, {}).get("state_sha256"),
-            "state_sha256_per_rank": {str(r): d.get("state_sha256") for r, d in sorted(done.items())},
-            "state_path": str(state_path) if state_path else None,
-        },
-        "stream": {"stop_reason": result.stop_reason, **_stream_counts(result)},
-        "score": None if score is None else {
-            "total_nats": score.total_nats,
-            "total_bits": score.total_bits,
-            "targets": score.targets,
-            "bytes": score.bytes,
-            "prequential_bpb": score.prequential_bpb,
-            "nonfinite_batches": score.nonfinite_batches,
-        },
-        "curve": curve(result.steps),
-        "timing": timing,
-        "discarded_files": planted,
-    }
