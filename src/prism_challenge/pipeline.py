@@ -635,26 +635,30 @@ def _audit_and_heldout(run: _Run) -> None:
     held-out evaluation, then the verdict, in ``run.audit`` and ``run.verdict`` (the verdict
     stays ``None`` if the run is cancelled first).
 
-    One emptied artifacts folder serves both (:func:`~prism_challenge.audit.auditstage.empty_artifacts`;
-    every child empties it again before it is fed). The jail is closed at the end: no spare
-    child outlives the run."""
+    Each stage gets the artifacts folder empty and new
+    (:func:`~prism_challenge.audit.auditstage.empty_artifacts`; every child empties it again
+    before it is fed), so not even the folder's own metadata passes from an audit child to a
+    held-out child. The jail is closed at the end: no spare child outlives the run."""
     opts, control, jail, result, score = run.opts, run.control, run.sandbox.jail, run.result, run.score
     try:
-        with control.stage("heldout", check=False) as mark, empty_artifacts(run.artifacts) as empty:
+        with control.stage("heldout", check=False) as mark:
             keep_bundle(run.frozen.root, run.run_dir)  # a cancel here still writes the manifest (check=False)
             if opts.audited_batches > 0:
                 control.emit(StageCount(stage="heldout", part="re-scored"))
-                run.audit = audit = audit_run(jail=jail, config=child_config(
-                    _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
-                    list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data, tokenizer=run.tokenizer,
-                    key=run.key, artifacts=empty, run_dir=run.run_dir, timeout_s=opts.heldout_timeout,
-                    audited_batches=opts.audited_batches)
+                with empty_artifacts(run.artifacts) as empty:
+                    run.audit = audit = audit_run(jail=jail, config=child_config(
+                        _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
+                        list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data,
+                        tokenizer=run.tokenizer, key=run.key, artifacts=empty, run_dir=run.run_dir,
+                        timeout_s=opts.heldout_timeout, audited_batches=opts.audited_batches)
                 control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
                 control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
             if opts.heldout_bytes > 0:
                 control.emit(StageCount(stage="heldout", part="held-out batches"))
-            heldout, heldout_error = _heldout(opts, jail, run.bundle, run.data, run.tokenizer, run.device, result,
-                                              run.state_path, context_values(run.config, opts.nproc), key=run.key)
+            with empty_artifacts(run.artifacts):
+                heldout, heldout_error = _heldout(opts, jail, run.bundle, run.data, run.tokenizer, run.device,
+                                                  result, run.state_path, context_values(run.config, opts.nproc),
+                                                  key=run.key)
             if heldout is not None:
                 control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
             verdict = build_verdict(score.prequential_bpb, result.steps, run.tokenizer.vocab_size, heldout,

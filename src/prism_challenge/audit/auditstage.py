@@ -129,8 +129,8 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     written for ``prism verify``. Never raises for the submission's failures (the report says).
 
     ``artifacts``: the run's artifacts folder, already emptied by the caller
-    (:func:`empty_artifacts`, which the pipeline holds across the audit and the held-out stage;
-    every child empties it again before it is fed). The first child starts
+    (:func:`empty_artifacts`, one for the audit and a new one for the held-out stage; every
+    child empties it again before it is fed). The first child starts
     (:meth:`~prism_challenge.evaluator.jail.Jail.warm`: the interpreter and ``import torch``, no
     submitted code) at once, so its start-up overlaps the tokenizing of the probes' text;
     ``wall_s`` is the whole stage's, until the inputs are written (``audited_batches``: the run's
