@@ -383,7 +383,6 @@ class _Run:
     audit: Any = None
     verdict: Any = None
     reference_codes: Any = None
-    t_done: float = 0.0
 
 
 def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device: str, t_start: float,
@@ -636,29 +635,27 @@ def _audit_and_heldout(run: _Run) -> None:
     stays ``None`` if the run is cancelled first).
 
     Each stage gets the artifacts folder empty and new
-    (:func:`~prism_challenge.audit.auditstage.empty_artifacts`; every child empties it again
-    before it is fed), so not even the folder's own metadata passes from an audit child to a
-    held-out child. The jail is closed at the end: no spare child outlives the run."""
+    (:func:`~prism_challenge.audit.auditstage.empty_artifacts`, in :func:`audit_run` and
+    :func:`_heldout`; every child empties it again before it is fed), so not even the folder's
+    own metadata passes from an audit child to a held-out child. The jail is closed at the end:
+    no spare child outlives the run."""
     opts, control, jail, result, score = run.opts, run.control, run.sandbox.jail, run.result, run.score
     try:
         with control.stage("heldout", check=False) as mark:
             keep_bundle(run.frozen.root, run.run_dir)  # a cancel here still writes the manifest (check=False)
             if opts.audited_batches > 0:
                 control.emit(StageCount(stage="heldout", part="re-scored"))
-                with empty_artifacts(run.artifacts) as empty:
-                    run.audit = audit = audit_run(jail=jail, config=child_config(
-                        _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
-                        list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data,
-                        tokenizer=run.tokenizer, key=run.key, artifacts=empty, run_dir=run.run_dir,
-                        timeout_s=opts.heldout_timeout, audited_batches=opts.audited_batches)
+                run.audit = audit = audit_run(jail=jail, config=child_config(
+                    _model_config(opts, run.bundle, run.tokenizer, run.device), run.config, opts.nproc,
+                    list(jail.hidden)), result=result, world_size=opts.nproc, data=run.data, tokenizer=run.tokenizer,
+                    key=run.key, artifacts=run.artifacts, run_dir=run.run_dir, timeout_s=opts.heldout_timeout,
+                    audited_batches=opts.audited_batches)
                 control.emit(StageCount(stage="heldout", part="re-scored", done=len(audit.batches)))
                 control.emit(StageCount(stage="heldout", part="blind probes", done=audit.blind_probes))
             if opts.heldout_bytes > 0:
                 control.emit(StageCount(stage="heldout", part="held-out batches"))
-            with empty_artifacts(run.artifacts):
-                heldout, heldout_error = _heldout(opts, jail, run.bundle, run.data, run.tokenizer, run.device,
-                                                  result, run.state_path, context_values(run.config, opts.nproc),
-                                                  key=run.key)
+            heldout, heldout_error = _heldout(opts, jail, run.bundle, run.data, run.tokenizer, run.device, result,
+                                              run.state_path, context_values(run.config, opts.nproc), key=run.key)
             if heldout is not None:
                 control.emit(StageCount(stage="heldout", part="held-out batches", done=int(heldout["batches"])))
             verdict = build_verdict(score.prequential_bpb, result.steps, run.tokenizer.vocab_size, heldout,
@@ -679,10 +676,10 @@ def _write_manifest(run: _Run) -> EvalOutcome:
     compute, verdict, audit and reference code lengths), signed and written to the run
     directory; the outcome."""
     opts, result, gated = run.opts, run.result, run.gated
-    run.t_done = t_done = time.monotonic()
+    t_done = time.monotonic()
     planted = discard_planted(run.artifacts)
     manifest = build_manifest(opts, run.bundle, run.data, run.tokenizer, run.device, result, run.score, run.failure,
-                         gated.findings, gated.parameter_count, planted, run.state_path, timing=_timing(run))
+                         gated.findings, gated.parameter_count, planted, run.state_path, timing=_timing(run, t_done))
     manifest["profile"] = run.profile_record
     manifest["isolation"] = run.sandbox.summary()
     manifest["compute"]["gpu"] = gpu_record(run.stack, result.done)
@@ -699,9 +696,9 @@ def _write_manifest(run: _Run) -> EvalOutcome:
     return EvalOutcome(run.run_dir, manifest, run.score, run.failure, gated.findings)
 
 
-def _timing(run: _Run) -> dict[str, Any]:
-    """The manifest's ``timing``: seconds between the run's marks (``time.monotonic``), and the
-    last record's Unix time."""
+def _timing(run: _Run, t_done: float) -> dict[str, Any]:
+    """The manifest's ``timing``: seconds between the run's marks (``time.monotonic``; ``t_done``:
+    the end of the held-out stage), and the last record's Unix time."""
     result, t_launch, t_release, t_start = run.result, run.t_launch, run.t_release, run.t_start
     last, first, ready = result.last_record_at, result.first_batch_at, result.ready_at
     return {
@@ -715,8 +712,8 @@ def _timing(run: _Run) -> dict[str, Any]:
         "start_to_last_record_s": (last - t_start) if last else None,
         "last_record_unix": (time.time() - (time.monotonic() - last)) if last else None,
         "after_stream_s": (run.t_end - last) if last else None,
-        "heldout_s": run.t_done - run.t_end,
-        "wall_s": run.t_done - t_start,
+        "heldout_s": t_done - run.t_end,
+        "wall_s": t_done - t_start,
     }
 
 
@@ -922,8 +919,11 @@ def _heldout(opts: EvalOptions, jail: Jail, bundle: Bundle, data, tokenizer, dev
     }
     if context is not None:
         config["context"] = context
-    try:  # the context's artifacts folder: emptied by the caller (_audit_and_heldout)
-        return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
+    try:
+        if context is None:
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
+        with empty_artifacts(Path(str(context["artifacts_dir"]))):
+            return run_heldout(config, timeout_s=opts.heldout_timeout, jail=jail, key=key), None
     except (HeldoutError, IsolationError, DataError) as exc:
         return None, _one_line(str(exc), state_path.parent.parent / "logs" / "heldout.log")
 

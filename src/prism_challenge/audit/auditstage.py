@@ -128,14 +128,12 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
     """The audit of a scored run: re-scoring and blind probes in fresh jailed children, inputs
     written for ``prism verify``. Never raises for the submission's failures (the report says).
 
-    ``artifacts``: the run's artifacts folder, already emptied by the caller
-    (:func:`empty_artifacts`, one for the audit and a new one for the held-out stage; every
-    child empties it again before it is fed). The first child starts
-    (:meth:`~prism_challenge.evaluator.jail.Jail.warm`: the interpreter and ``import torch``, no
-    submitted code) at once, so its start-up overlaps the tokenizing of the probes' text;
-    ``wall_s`` is the whole stage's, until the inputs are written (``audited_batches``: the run's
-    ``A``, for the manifest). The first re-scoring child also counts the forward FLOPs of every
-    rank slice shape the stream scored (``report.flops``, :mod:`~prism_challenge.score.flops`).
+    The first child starts (:meth:`~prism_challenge.evaluator.jail.Jail.warm`: the interpreter
+    and ``import torch``, no submitted code) as soon as the empty folder exists, so its start-up
+    overlaps the tokenizing of the probes' text; ``wall_s`` is the whole stage's, from before the
+    folder is emptied until the inputs are written (``audited_batches``: the run's ``A``, for the
+    manifest). The first re-scoring child also counts the forward FLOPs of every rank slice shape
+    the stream scored (``report.flops``, :mod:`~prism_challenge.score.flops`).
     """
     from prism_challenge.evaluator.isolation import IsolationError
 
@@ -145,19 +143,20 @@ def audit_run(*, jail: Any, config: dict[str, Any], result: Any, world_size: int
             "rtol": RESCORE_RTOL["cuda" if str(config.get("device", "")).startswith("cuda") else "cpu"],
             "shape": list(result.shape) if result.shape else None, "context": dict(config["context"])}
     argv = child_argv(str(config.get("device", "cpu")))  # on CUDA the spare starts CUDA while it waits
-    writable = [str(artifacts)]
-    try:
-        with contextlib.suppress(OSError, IsolationError):  # no spare: the first child starts when fed
-            jail.warm(argv, writable=writable)
-        filler, skipped = val_filler(data, tokenizer)
-        if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
-            filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
-        shapes = list(shape_counts(s.shapes for s in result.steps))  # counted by the first re-scoring child
-        report = run_audit({**config, "flop_shapes": shapes}, result.audits, jail=jail, world_size=world_size,
-                           filler=filler, key=key, batch_s=seconds_per_batch(result),
-                           timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(artifacts), meta=meta)
-    finally:
-        jail.drop_spare(argv, writable=writable)  # no audited batch had a snapshot: never fed
+    with empty_artifacts(artifacts) as empty:
+        writable = [str(empty)]
+        try:
+            with contextlib.suppress(OSError, IsolationError):  # no spare: the first child starts when fed
+                jail.warm(argv, writable=writable)
+            filler, skipped = val_filler(data, tokenizer)
+            if filler is not None and result.shape is not None and len(filler) < result.shape[1]:
+                filler, skipped = None, f"the val prefix ({len(filler)} tokens) is shorter than a row"
+            shapes = list(shape_counts(s.shapes for s in result.steps))  # counted by the first re-scoring child
+            report = run_audit({**config, "flop_shapes": shapes}, result.audits, jail=jail, world_size=world_size,
+                               filler=filler, key=key, batch_s=seconds_per_batch(result),
+                               timeout_s=timeout_s - (time.monotonic() - t0), artifacts_dir=str(empty), meta=meta)
+        finally:
+            jail.drop_spare(argv, writable=writable)  # no audited batch had a snapshot: never fed
     report.probe_skipped = skipped
     try:
         write_inputs(run_dir, result.audits, world_size, filler, key)
