@@ -490,6 +490,8 @@ def _launch(run: _Run, undo: contextlib.ExitStack) -> None:
     )
     undo.callback(feeder.close)
     run.sandbox = sandbox = _sandbox(opts, run.run_dir, run.artifacts, run.data.root, bundle, run.device)
+    undo.callback(sandbox.jail.close)  # the cgroups of what it started, once the kills below ran
+    undo.callback(sandbox.jail.kill_all)  # every child it started: torchrun's tree, the CUDA check
     undo.callback(sandbox.guard.kill)
     run.control.on_cancel(sandbox.jail.kill_all)  # torchrun's tree and every bounded child, at once
     run.control.on_cancel(sandbox.guard.kill)  # and whatever runs as the sandbox uid
