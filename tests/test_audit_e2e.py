@@ -209,9 +209,8 @@ def test_a_peek_at_one_position_in_six_is_zeroed_by_the_blind_probe(tmp_path, ho
 def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, monkeypatch):
     import contextlib
 
-    from prism_challenge import pipeline
-
     from prism_challenge.audit import auditstage
+    from prism_challenge.pipeline import finish
 
     seen_by_children = []  # the held-out and audit children's files, read before their folder is emptied
     real = auditstage.empty_artifacts
@@ -224,7 +223,7 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
                 seen_by_children.extend(torch.load(empty / "ctx.pt"))
 
     monkeypatch.setattr(auditstage, "empty_artifacts", keeping)
-    monkeypatch.setattr(pipeline, "empty_artifacts", keeping)
+    monkeypatch.setattr(finish, "empty_artifacts", keeping)
     from prism_challenge.audit import heldout
     from prism_challenge.audit import rescore
     from prism_challenge.evaluator import freshdir

@@ -171,7 +171,8 @@ def test_a_bad_key_stops_eval_before_anything_runs(tmp_path):
 
 def test_the_key_is_hidden_from_every_jailed_process(tmp_path):
     from prism_challenge.manifest.certificate import user_key_path
-    from prism_challenge.pipeline import EvalOptions, _hidden, _key_paths
+    from prism_challenge.pipeline import EvalOptions
+    from prism_challenge.pipeline.start import _hidden, _key_paths
 
     given = EvalOptions(bundle="b", signing_key_file=str(tmp_path / "k.pem"))
     assert _key_paths(given) == [tmp_path / "k.pem"]

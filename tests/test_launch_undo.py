@@ -1,5 +1,5 @@
 """A bundle the gates refuse leaves none of the launch behind, not even the memory cgroup the
-jail made for the early-launched torchrun tree: ``pipeline._launch`` puts the jail's kill and
+jail made for the early-launched torchrun tree: ``pipeline.start.launch`` puts the jail's kill and
 close on the ExitStack that a refusal unwinds (found by the red team: before, only the stream
 stage closed the jail, so on a host with a cgroup v2 memory controller every refused submission
 left one ``prism-<pid>-<ns>`` group behind).

@@ -258,7 +258,7 @@ def _heldout_again(run_dir, m, *, assign):
     """The trained state's held-out nats per batch, scored here from the run's kept state: in its
     own dtypes (``assign``) or copied into float32 parameters (the former load)."""
     from prism_challenge.audit.heldout import heldout_cuts, score_rows
-    from prism_challenge.pipeline import HELDOUT_BATCH
+    from prism_challenge.pipeline.finish import HELDOUT_BATCH
 
     h = m["verdict"]["heldout"]
     sd = torch.load(next((run_dir / "model").glob("*.pt")), map_location="cpu", weights_only=True)

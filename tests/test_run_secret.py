@@ -44,11 +44,11 @@ def test_the_secret_is_the_given_one_or_fresh_from_secrets_and_nothing_else(tmp_
     a, b = run_secret(opts), run_secret(opts)
     assert len(a) == len(b) == 32 and a != b  # two runs, two secrets
     drawn = []
-    monkeypatch.setattr(pipeline.secrets, "token_bytes", lambda n: drawn.append(n) or b"\x07" * n)
+    monkeypatch.setattr(pipeline.start.secrets, "token_bytes", lambda n: drawn.append(n) or b"\x07" * n)
     # exactly the draw: no data directory, salt, path, bundle hash or seed mixed in
     assert run_secret(opts) == b"\x07" * 32 == run_secret(EvalOptions(bundle=str(EXAMPLE), seed=9))
     assert drawn == [32, 32]
-    assert not hasattr(pipeline, "_probe_key")
+    assert not hasattr(pipeline, "_probe_key") and not hasattr(pipeline.start, "_probe_key")
 
 
 def test_the_service_never_sets_a_run_secret(tmp_path):
@@ -60,8 +60,8 @@ def test_the_service_never_sets_a_run_secret(tmp_path):
 
 
 def test_no_module_keys_a_draw_on_a_path_or_a_salt():
-    src = Path(pipeline.__file__).parent
-    for name in ("pipeline.py", "evaluator/feeder.py", "audit/rescore.py", "audit/auditstage.py", "audit/heldout.py",
+    src = Path(pipeline.__file__).parents[1]
+    for name in (*(f"pipeline/{p.name}" for p in (src / "pipeline").glob("*.py")), "evaluator/feeder.py", "audit/rescore.py", "audit/auditstage.py", "audit/heldout.py",
                  "score/gapnoise.py", "audit/blindprobe.py"):
         text = (src / name).read_text()
         assert "salt_path.read" not in text and "str(data_root).encode()" not in text, name
@@ -261,10 +261,13 @@ def test_the_secret_is_nowhere_the_sandbox_can_look(tmp_path, monkeypatch):
     (root / "training.py").write_text(SEARCH_LOOP.format(mask=mask.hex(), masked=masked.hex()))
     (root / "CANARY.txt").write_text("a file the search must read: it proves the search ran")
     sent = []  # what the trusted side hands to the sandbox: configurations and environments
-    real_feeder, real_child, real_launch = pipeline.Feeder, pipeline.child_config, pipeline.launch
-    monkeypatch.setattr(pipeline, "Feeder", lambda *a, **kw: sent.append(a[2]) or real_feeder(*a, **kw))
-    monkeypatch.setattr(pipeline, "child_config", lambda *a, **kw: sent.append(real_child(*a, **kw)) or sent[-1])
-    monkeypatch.setattr(pipeline, "launch", lambda n, env, *a, **kw: sent.append(env) or real_launch(n, env, *a, **kw))
+    from prism_challenge.evaluator import feeder, launcher
+    from prism_challenge.pipeline import finish
+
+    real_feeder, real_child, real_launch = feeder.Feeder, finish.child_config, launcher.launch
+    monkeypatch.setattr(feeder, "Feeder", lambda *a, **kw: sent.append(a[2]) or real_feeder(*a, **kw))
+    monkeypatch.setattr(finish, "child_config", lambda *a, **kw: sent.append(real_child(*a, **kw)) or sent[-1])
+    monkeypatch.setattr(launcher, "launch", lambda n, env, *a, **kw: sent.append(env) or real_launch(n, env, *a, **kw))
     out = _run(tmp_path, root, "run", run_secret=secret, run_gates=False, audit_hooks=False, token_budget=3_000)
     assert out.failure is None, out.failure
     assert out.manifest["run_secret"] == secret.hex()  # revealed once the run ended ...

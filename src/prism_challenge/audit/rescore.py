@@ -483,7 +483,7 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
     """Re-score every audited batch and probe it blind; never raises for the submission's failures.
 
     Args:
-        config: the model configuration (``pipeline._model_config``) plus ``context`` (the run's
+        config: the model configuration (``pipeline.start.model_config``) plus ``context`` (the run's
             :class:`~prism_challenge.evaluator.interface.PrismContext` values but the rank),
             ``hidden`` and, optionally, ``flop_shapes`` (shape keys whose forward FLOPs the first
             re-scoring child counts: ``report.flops``, :mod:`~prism_challenge.score.flops`).

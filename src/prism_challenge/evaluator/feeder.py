@@ -280,6 +280,10 @@ class Feeder:
             batch is audited).
         audited_batches: ``A`` of the harmonic schedule (batch 0, then batch ``k`` with
             probability ``min(1, A / k)``).
+        server: a socket already listening at ``socket_path`` (:func:`protocol.listen`), which
+            the feeder then owns; ``None``: the feeder makes it.
+        token: the token every rank's HELLO must carry (``None``: a fresh
+            :func:`secrets.token_hex`); given with ``server`` when the ranks were launched first.
     """
 
     def __init__(
@@ -299,9 +303,11 @@ class Feeder:
         probe_key: bytes | None = None,
         audit_dir: os.PathLike[str] | str | None = None,
         audited_batches: int = AUDITED_BATCHES,
+        server: socket.socket | None = None,
+        token: str | None = None,
     ):
         self.socket_path = socket_path
-        self.token = secrets.token_hex(16)
+        self.token = token if token is not None else secrets.token_hex(16)
         self.config = config
         self.world_size = world_size
         self.vocab_size = vocab_size
@@ -332,11 +338,7 @@ class Feeder:
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
         self.released_at: float | None = None
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)
-        self._server.bind(socket_path)
-        self._server.listen(world_size + 4)
+        self._server = server if server is not None else protocol.listen(socket_path, world_size + 4)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, release: bool = True) -> None:

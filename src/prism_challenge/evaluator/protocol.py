@@ -9,6 +9,7 @@ and bounds every length it reads.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from enum import IntEnum
@@ -18,6 +19,28 @@ _PREFIX = struct.Struct("<BII")
 MAX_HEADER = 1 << 20  # 1 MiB: records and error reports are far smaller
 MAX_BATCH_TOKENS = 1 << 24  # 16 Mi tokens per batch: far above any sane batch, bounds memory
 MAX_STATE_TENSOR_BYTES = (1 << 32) - 1  # one STATE frame: a tensor of the scored model
+ENV_SOCKET = "PRISM_FEEDER_SOCKET"  # the rank's environment: the feeder socket's path
+ENV_TOKEN = "PRISM_FEEDER_TOKEN"  # and the token its HELLO must carry
+
+
+def listen(path: str, backlog: int) -> socket.socket:
+    """The feeder's listening Unix socket at ``path`` (a stale file there is replaced), with room
+    for ``backlog`` connections not yet accepted: a rank that connects before the feeder's
+    accept loop runs waits in it.
+
+    Raises:
+        OSError: the path cannot be bound (too long: Unix socket paths hold ~107 bytes).
+    """
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        server.bind(path)
+        server.listen(backlog)
+    except OSError:
+        server.close()
+        raise
+    return server
 
 
 class Kind(IntEnum):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 import os
 import platform
 import socket
@@ -58,8 +57,7 @@ from prism_challenge.evaluator.warm import WarmError, wait_for_claim
 from prism_challenge.gates.param_count import ObjectGraphTooLarge, count_unique_elements, module_tensors, unique_elements
 from prism_challenge.tokenizers import ReferenceTokenizer
 
-ENV_SOCKET = "PRISM_FEEDER_SOCKET"
-ENV_TOKEN = "PRISM_FEEDER_TOKEN"
+ENV_SOCKET, ENV_TOKEN = protocol.ENV_SOCKET, protocol.ENV_TOKEN
 MAX_BATCH_TOKENS = protocol.MAX_BATCH_TOKENS
 TRACEBACK_LINES = 15
 DRAIN_TIMEOUT_S = 60.0  # the feeder's answer to the last record is sent at once; this bounds a lost one

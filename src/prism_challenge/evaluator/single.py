@@ -24,7 +24,7 @@ and torchrun:
 3. it exits 0 when the rank exited 0, else 1 after one line on stderr naming the rank's exit
    code or signal (:data:`FAILED`), as torchrun exits 1 after its ``failed (exitcode: N)``
    report. So the launcher's status means what torchrun's does: a rank that dies, on any
-   signal, cannot make the run look killed from outside (``pipeline._signal_of``).
+   signal, cannot make the run look killed from outside (``pipeline.stream._signal_of``).
 
 The rank is the same process with the same environment names, running the same runner and
 submission; only the processes around it differ, and the scores are bit for bit torchrun's

@@ -36,7 +36,7 @@ above. The cap: the tail's units are the submission's batches, so its loop shape
 spread; a cheat active on every other batch of a tail of ``n`` batches (gain ``g`` on half of
 them: gap ``g / 2``, se about ``g / (2 sqrt n)``) has ``gap / se ~ sqrt(n)``, so a loop whose
 batches are large enough to leave ``n < z^2 = 16`` tail batches would widen its own threshold
-past any gap. The val side's units are the harness's (:data:`prism_challenge.pipeline.HELDOUT_BATCH`
+past any gap. The val side's units are the harness's (:data:`prism_challenge.pipeline.finish.HELDOUT_BATCH`
 rows), so the capped tail SE is one the submission cannot widen at will. The honest ratio of
 the tail's own SE to the bound that ``bench/gap_noise.py`` measured was 0.55 to 0.88 (those
 tails were raised to the bound, none came near the cap).
