@@ -117,7 +117,7 @@ def child_config(model_config: dict[str, Any], run_config: dict[str, Any], world
                  hidden: list[str]) -> dict[str, Any]:
     """What the audit's children need: the model configuration, the run's context values, and
     what they may not read."""
-    from prism_challenge.evaluator.interface import context_values
+    from prism_challenge.evaluator.protocol import context_values
 
     return {**model_config, "context": context_values(run_config, world_size), "hidden": hidden}
 

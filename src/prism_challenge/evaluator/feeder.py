@@ -239,7 +239,7 @@ class FeederResult:
     error: dict[str, Any] | None = None
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     nonfinite_batches: int = 0
-    ready_at: float | None = None  # every rank connected and said HELLO
+    ready_at: float | None = None  # every rank's HELLO accepted (prism eval: the feeder is made once the gates passed)
     first_batch_at: float | None = None
     last_record_at: float | None = None
     state: dict[str, Any] = field(default_factory=dict)  # rank 0's scored model (name -> tensor)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from prism_challenge.evaluator.protocol import CONTEXT_FIELDS
 from prism_challenge.tokenizers import ReferenceTokenizer, reference_tokenizer
 
 
@@ -147,13 +148,6 @@ class PrismContext:
         )
 
 
-CONTEXT_FIELDS = ("seed", "vocab_size", "sequence_length", "max_parameters", "world_size", "artifacts_dir",
-                  "token_budget", "step_budget", "tokenizer_name")
-"""The :class:`PrismContext` fields every process that runs the submission gets from the run's
-configuration (the ranks and the audit's children alike); ``rank``, ``local_rank``, ``device``
-and the runtime are the process's own."""
-
-
 def run_context(values: dict[str, Any], *, rank: int, device: str, runtime: _Runtime) -> PrismContext:
     """The run's :class:`PrismContext` for ``rank`` (one node: ``local_rank == rank``), from the
     :data:`CONTEXT_FIELDS` of ``values``.
@@ -167,12 +161,3 @@ def run_context(values: dict[str, Any], *, rank: int, device: str, runtime: _Run
     kw["artifacts_dir"] = str(kw["artifacts_dir"])
     kw["tokenizer_name"] = str(kw["tokenizer_name"])
     return PrismContext(**kw, rank=rank, local_rank=rank, device=device, _runtime=runtime)
-
-
-def context_values(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The :data:`CONTEXT_FIELDS` of a run configuration (the feeder's CONFIG: ``tokenizer`` is
-    the tokenizer's name, absent budgets are ``None``)."""
-    return {"seed": config["seed"], "vocab_size": config["vocab_size"], "sequence_length": config["sequence_length"],
-            "max_parameters": config["max_parameters"], "world_size": world_size,
-            "artifacts_dir": config["artifacts_dir"], "token_budget": config.get("token_budget"),
-            "step_budget": config.get("step_budget"), "tokenizer_name": config["tokenizer"]}

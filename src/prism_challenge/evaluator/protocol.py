@@ -23,6 +23,22 @@ ENV_SOCKET = "PRISM_FEEDER_SOCKET"  # the rank's environment: the feeder socket'
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"  # and the token its HELLO must carry
 
 
+CONTEXT_FIELDS = ("seed", "vocab_size", "sequence_length", "max_parameters", "world_size", "artifacts_dir",
+                  "token_budget", "step_budget", "tokenizer_name")
+"""The :class:`~prism_challenge.evaluator.interface.PrismContext` fields every process that runs the submission gets from the run's
+configuration (the ranks and the audit's children alike); ``rank``, ``local_rank``, ``device``
+and the runtime are the process's own."""
+
+
+def context_values(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The :data:`CONTEXT_FIELDS` of a run configuration (the feeder's CONFIG: ``tokenizer`` is
+    the tokenizer's name, absent budgets are ``None``)."""
+    return {"seed": config["seed"], "vocab_size": config["vocab_size"], "sequence_length": config["sequence_length"],
+            "max_parameters": config["max_parameters"], "world_size": world_size,
+            "artifacts_dir": config["artifacts_dir"], "token_budget": config.get("token_budget"),
+            "step_budget": config.get("step_budget"), "tokenizer_name": config["tokenizer"]}
+
+
 def listen(path: str, backlog: int) -> socket.socket:
     """The feeder's listening Unix socket at ``path`` (a stale file there is replaced), with room
     for ``backlog`` connections not yet accepted: a rank that connects before the feeder's

@@ -38,7 +38,8 @@ from prism_challenge.evaluator.census import TensorCensus
 from prism_challenge.evaluator.childexit import exit_child
 from prism_challenge.evaluator.gpu import peak_memory
 from prism_challenge.evaluator.instrument import ContractError, autocast_dtype, measure
-from prism_challenge.evaluator.interface import Batch, PrismContext, context_values, run_context
+from prism_challenge.evaluator.interface import Batch, PrismContext, run_context
+from prism_challenge.evaluator.protocol import context_values
 from prism_challenge.evaluator.protocol import Kind
 from prism_challenge.evaluator.seeding import (
     determinism_change,

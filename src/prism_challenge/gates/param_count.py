@@ -494,7 +494,7 @@ def measure_parameters(
         jail: the :class:`~prism_challenge.evaluator.jail.Jail` every process that runs
             submitted code starts in (sandbox, environment, limits); default: a strict jail
             of its own (:func:`check_jail`).
-        context: the run's context values (:data:`~prism_challenge.evaluator.interface.CONTEXT_FIELDS`,
+        context: the run's context values (:data:`~prism_challenge.evaluator.protocol.CONTEXT_FIELDS`,
             ``prism eval``): the child's ``PrismContext`` then has them, and its artifacts
             folder is the run's (still empty); default: a context of its own in a temporary folder.
 

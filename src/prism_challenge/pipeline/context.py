@@ -7,6 +7,8 @@ parent process imports torch (:mod:`~prism_challenge.pipeline.start`).
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,6 +95,9 @@ class Run:
     sock_tmp: Path | None = None
     config: dict[str, Any] = field(default_factory=dict)
     key: bytes = b""
+    server: socket.socket | None = None  # the feeder's listening socket, until the feeder owns it
+    token: str = ""  # the token every rank's HELLO carries
+    imports: threading.Thread | None = None  # torch and the later stages, imported meanwhile
     feeder: Feeder | None = None
     sandbox: Sandbox | None = None
     proc: Any = None

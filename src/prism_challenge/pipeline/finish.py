@@ -21,7 +21,7 @@ from prism_challenge.data.manifest import DataError
 from prism_challenge.data.refcodes import Background as RefCodes
 from prism_challenge.evaluator.feeder import FeederResult
 from prism_challenge.evaluator.gpu import manifest_record as gpu_record
-from prism_challenge.evaluator.interface import context_values
+from prism_challenge.evaluator.protocol import context_values
 from prism_challenge.evaluator.isolation import IsolationError
 from prism_challenge.evaluator.jail import Jail
 from prism_challenge.events import StageCount

@@ -10,11 +10,13 @@ delaying them. ``tests/test_pipeline_imports.py`` keeps it so.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import secrets
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -29,7 +31,7 @@ from prism_challenge.data.stream import train_stream
 from prism_challenge.evaluator import launcher, protocol
 from prism_challenge.evaluator.isolation import Guard, IsolationError
 from prism_challenge.evaluator.jail import Jail, jail_limits
-from prism_challenge.evaluator.protocol import ENV_SOCKET, ENV_TOKEN
+from prism_challenge.evaluator.protocol import ENV_SOCKET, ENV_TOKEN, context_values
 from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.failures import TOKENIZER, USAGE_STAGE, EvalFailure
 from prism_challenge.gates.stage import parameter_cap, static_gates
@@ -57,6 +59,8 @@ def check_out_dir(run_dir: Path) -> None:
 
 
 SOCKET_PATH_MAX = 100  # a unix socket path, bytes: under sun_path's 108 with room to spare
+AFTER_LAUNCH = ("prism_challenge.evaluator.feeder", "prism_challenge.pipeline.stream", "prism_challenge.pipeline.finish")
+"""What the parent imports on a thread once the ranks are launched (torch with them)."""
 GUARD_INTERVAL_S = 1.0  # the guard's /proc scans: rare, off the ranks' cores (see stream.WATCH_INTERVAL_S)
 
 
@@ -200,9 +204,9 @@ def launch(run: Run, undo: contextlib.ExitStack) -> None:
     }
     run.key = run_secret(opts)  # after intake; never sent to the sandbox
     # the feeder's socket listens before the ranks start: their HELLO waits in its backlog until
-    # the feeder, made once they run, accepts it
-    server, token = protocol.listen(run.sock_path, opts.nproc + 4), secrets.token_hex(16)
-    undo.callback(_close_feeder, run, server)
+    # the feeder, made once the gates passed (:func:`serve`), accepts it
+    run.server, run.token = protocol.listen(run.sock_path, opts.nproc + 4), secrets.token_hex(16)
+    undo.callback(_close_feeder, run)
     run.sandbox = sandbox = _sandbox(opts, run.run_dir, run.artifacts, run.data.root, bundle, run.device)
     undo.callback(sandbox.jail.close)  # the cgroups of what it started, once the kills below ran
     undo.callback(sandbox.jail.kill_all)  # every child it started: torchrun's tree, the CUDA check
@@ -211,14 +215,38 @@ def launch(run: Run, undo: contextlib.ExitStack) -> None:
     run.control.on_cancel(sandbox.guard.kill)  # and whatever runs as the sandbox uid
     run.log_path = run.run_dir / "logs" / "runner.log"
     run.t_launch = time.monotonic()
-    run.proc = launcher.launch(opts.nproc, {ENV_SOCKET: run.sock_path, ENV_TOKEN: token}, run.log_path,
+    run.proc = launcher.launch(opts.nproc, {ENV_SOCKET: run.sock_path, ENV_TOKEN: run.token}, run.log_path,
                                jail=sandbox.jail, cwd=run.artifacts, socket_dir=Path(run.sock_path).parent,
                                warm=opts.warm_ranks)
     undo.callback(run.proc.kill)
     if run.device == "cuda":
         from prism_challenge.evaluator.gpu import start_cuda_check
         run.cuda_check = start_cuda_check(sandbox.jail, opts.nproc)  # meanwhile
-    run.feeder = _feeder(run, server, token)  # this process imports torch now, while the ranks import theirs
+    run.imports = _import_meanwhile(AFTER_LAUNCH)
+
+
+def _import_meanwhile(modules: tuple[str, ...]) -> threading.Thread:
+    """Import ``modules`` on a thread: torch and the stages after the gates load while the gates
+    run (they wait on the parameter cap's child most of the time) and the ranks start. A module
+    that fails to import here raises again, with its error, when :func:`serve` imports it."""
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - raised again where the module is used
+                return
+
+    thread = threading.Thread(target=load, name="prism-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(run: Run) -> None:
+    """The feeder, once the gates passed: it accepts the ranks waiting in the socket's backlog
+    and holds their configuration until :func:`~prism_challenge.pipeline.stream.release`."""
+    if run.imports is not None:
+        run.imports.join()  # the feeder module is loaded (or failed: imported again below, raising)
+    run.feeder = _feeder(run, run.server, run.token)
     run.feeder.start(release=False)
 
 
@@ -250,13 +278,13 @@ def _feeder(run: Run, server: socket.socket, token: str) -> Feeder:
     )
 
 
-def _close_feeder(run: Run, server: socket.socket) -> None:
+def _close_feeder(run: Run) -> None:
     """Undo of the launch: close the feeder (its connections and socket), or, before it was
     made, the listening socket alone."""
     if run.feeder is not None:
         run.feeder.close()
         return
-    server.close()
+    run.server.close()
     try:
         os.unlink(run.sock_path)
     except OSError:
@@ -290,8 +318,6 @@ def gates(run: Run) -> None:
         EvalFailure: stage ``gates`` (blocking findings), ``intake`` (the bundle changed while
             the gates ran) or ``isolation`` (CUDA does not start in the sandbox).
     """
-    from prism_challenge.evaluator.interface import context_values  # torch: imported by the launch already
-
     opts, jail = run.opts, run.sandbox.jail
     if opts.run_gates:
         with run.control.stage("gates"):
