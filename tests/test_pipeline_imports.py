@@ -47,7 +47,7 @@ def launch(nproc, env, *args, **kwargs):
 launcher.launch = launch
 out = Path(sys.argv[1]) / "run"
 try:
-    evaluate(EvalOptions(bundle=sys.argv[2], isolation="none", out_dir=str(out), token_budget=2000, device="auto"))
+    evaluate(EvalOptions(bundle=sys.argv[2], isolation="none", out_dir=str(out), token_budget=2000, device="cpu"))
 except RuntimeError as exc:
     seen["error"] = str(exc)
 seen["run_dir_left"] = out.exists()
@@ -73,9 +73,48 @@ def test_the_ranks_are_launched_before_the_parent_imports_torch(tmp_path):
                     "run_dir_left": False}  # a failed launch is undone: no run directory stays
 
 
+AUTO_WITHOUT_GPU = """
+import json, sys
+import prism_challenge.pipeline as pipeline
+pipeline.GPU_DEVICE_NODES = ("/nonexistent/nvidiactl",)  # a host with no GPU device node
+print(json.dumps([pipeline._resolve_device("auto"), "torch" in sys.modules]))
+"""
+
+
+def test_auto_on_a_host_without_a_gpu_device_node_is_cpu_without_torch():
+    assert json.loads(_python(AUTO_WITHOUT_GPU)) == ["cpu", False]
+
+
+BROKEN_STREAM = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+sys.modules["prism_challenge.pipeline.stream"] = None  # its import fails (a broken install)
+from prism_challenge.pipeline import EvalOptions, evaluate
+out = Path(sys.argv[1]) / "run"
+seen = {}
+try:
+    evaluate(EvalOptions(bundle=sys.argv[2], isolation="none", out_dir=str(out), token_budget=2000,
+                         device="cpu", heldout_bytes=0))
+except ImportError as exc:
+    seen["error"] = type(exc).__name__
+time.sleep(2)
+seen["run_dir_left"] = out.exists()
+ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+seen["children"] = [line.split(None, 1)[1] for line in ps.splitlines() if "ps -o" not in line]
+print(json.dumps(seen))
+"""
+
+
+def test_a_stage_after_the_release_that_cannot_be_imported_is_undone_like_the_gates(tmp_path):
+    """The stages after the release are imported before the launch's undo is given up: a broken
+    install leaves no run directory and no process behind (red team: it left both)."""
+    seen = json.loads(_python(BROKEN_STREAM, str(tmp_path), str(EXAMPLE)))
+    assert seen == {"error": "ModuleNotFoundError", "run_dir_left": False, "children": []}
+
+
 def test_a_rank_that_connects_before_the_feeder_exists_is_served(tmp_path):
     path = str(tmp_path / "f.sock")
-    server, token = protocol.listen(path, 4), "t" * 32
+    server, token = protocol.listen(path, 1), "t" * 32
     rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     rank.connect(path)  # before any Feeder: the connection waits in the backlog
     protocol.send(rank, Kind.HELLO, {"rank": 0, "local_rank": 0, "world_size": 1, "pid": 1, "token": token})
@@ -100,7 +139,7 @@ def test_a_rank_that_connects_before_the_feeder_exists_is_served(tmp_path):
 
 def test_a_forged_token_is_refused_from_the_backlog_too(tmp_path):
     path = str(tmp_path / "f.sock")
-    server = protocol.listen(path, 4)
+    server = protocol.listen(path, 1)
     rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     rank.connect(path)
     protocol.send(rank, Kind.HELLO, {"rank": 0, "local_rank": 0, "world_size": 1, "pid": 1, "token": "guess"})

@@ -59,6 +59,15 @@ RANK_NETWORK_ENV: dict[str, str] = {
 }
 """Set in every jailed process after the allow-list (one node: the ranks meet on 127.0.0.1)."""
 
+SAFE_PATH_ENV: dict[str, str] = {
+    # no interpreter puts its working directory (``-m``, ``-c``) or its script's folder first on
+    # sys.path: a jailed process works in the artifacts folder, which the submission writes (the
+    # parameter cap's child runs build_model there while the ranks start), so a planted
+    # ``sympy.py`` would otherwise run in a rank's warm-up, before its audit hook is armed
+    "PYTHONSAFEPATH": "1",
+}
+"""Set in every jailed process after the allow-list (Python 3.11+: ``-P``)."""
+
 RENDEZVOUS_ADDR = "127.0.0.1"
 """The address torchrun's rendezvous and ``MASTER_ADDR`` use (its ``--standalone`` publishes
 ``socket.getfqdn()``, which in a sandbox whose host name does not resolve reaches nothing)."""
@@ -71,7 +80,7 @@ def kept(name: str) -> bool:
 
 def sandbox_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The part of ``environ`` a jailed process may see (:data:`ENV_KEEP`,
-    :data:`ENV_KEEP_PREFIXES`), plus :data:`RANK_NETWORK_ENV`; ``HOME`` is the sandbox's private
+    :data:`ENV_KEEP_PREFIXES`), plus :data:`RANK_NETWORK_ENV` and :data:`SAFE_PATH_ENV`; ``HOME`` is the sandbox's private
     ``/tmp``. ``LD_LIBRARY_PATH`` keeps its absolute entries only (:func:`ld_library_dirs`)."""
     env = {k: v for k, v in environ.items() if kept(k)}
     if "LD_LIBRARY_PATH" in env:  # an empty or relative entry names the working directory: the artifacts
@@ -79,6 +88,7 @@ def sandbox_env(environ: Mapping[str, str]) -> dict[str, str]:
         if not env["LD_LIBRARY_PATH"]:
             del env["LD_LIBRARY_PATH"]
     env.update(RANK_NETWORK_ENV)
+    env.update(SAFE_PATH_ENV)
     env["HOME"] = "/tmp"
     return env
 

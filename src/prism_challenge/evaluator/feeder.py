@@ -338,7 +338,7 @@ class Feeder:
         self.stopping = threading.Event()  # set by the parent before it kills the tree
         self.released = threading.Event()  # CONFIG goes out only once the parent releases the run
         self.released_at: float | None = None
-        self._server = server if server is not None else protocol.listen(socket_path, world_size + 4)
+        self._server = server if server is not None else protocol.listen(socket_path, world_size)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, release: bool = True) -> None:

@@ -21,6 +21,7 @@ MAX_BATCH_TOKENS = 1 << 24  # 16 Mi tokens per batch: far above any sane batch, 
 MAX_STATE_TENSOR_BYTES = (1 << 32) - 1  # one STATE frame: a tensor of the scored model
 ENV_SOCKET = "PRISM_FEEDER_SOCKET"  # the rank's environment: the feeder socket's path
 ENV_TOKEN = "PRISM_FEEDER_TOKEN"  # and the token its HELLO must carry
+LISTEN_SPARE = 4  # the feeder socket's backlog beyond one connection per rank
 
 
 CONTEXT_FIELDS = ("seed", "vocab_size", "sequence_length", "max_parameters", "world_size", "artifacts_dir",
@@ -39,10 +40,10 @@ def context_values(config: dict[str, Any], world_size: int) -> dict[str, Any]:
             "step_budget": config.get("step_budget"), "tokenizer_name": config["tokenizer"]}
 
 
-def listen(path: str, backlog: int) -> socket.socket:
+def listen(path: str, ranks: int) -> socket.socket:
     """The feeder's listening Unix socket at ``path`` (a stale file there is replaced), with room
-    for ``backlog`` connections not yet accepted: a rank that connects before the feeder's
-    accept loop runs waits in it.
+    for ``ranks`` + :data:`LISTEN_SPARE` connections not yet accepted: a rank that connects
+    before the feeder's accept loop runs waits in it.
 
     Raises:
         OSError: the path cannot be bound (too long: Unix socket paths hold ~107 bytes).
@@ -52,7 +53,7 @@ def listen(path: str, backlog: int) -> socket.socket:
         if os.path.exists(path):
             os.unlink(path)
         server.bind(path)
-        server.listen(backlog)
+        server.listen(ranks + LISTEN_SPARE)
     except OSError:
         server.close()
         raise

@@ -168,21 +168,21 @@ def _run_bundle(opts: EvalOptions, bundle: Bundle, frozen: FrozenBundle, device:
     stays, and the stream stage ends the tree itself).
 
     This module and :mod:`~prism_challenge.pipeline.start` import nothing that imports torch:
-    the launch comes first, and the parent imports torch (with the stages after the gates) on a
-    thread while the gates run and the ranks start; the feeder is made once the gates passed,
-    and the ranks' connections wait in its socket's backlog until then.
+    on a CPU run the launch comes first, and the parent's own ``import torch`` overlaps the
+    ranks' start instead of delaying it (a GPU run imports torch before the launch, to check
+    the device). The feeder and the stages after the release are imported on a thread while the
+    gates run; the feeder is made once the gates passed, and the ranks' connections wait in its
+    socket's backlog until then.
     """
     run = Run(opts, control, bundle, frozen, device, t_start, _signer(opts))  # a bad key: before any launch
     start.load_data(run)
     with contextlib.ExitStack() as undo:
         start.launch(run, undo)
         start.gates(run)
-        start.serve(run)
-        undo.pop_all()  # released: the run directory stays, and the stream stage ends the tree
-    from prism_challenge.pipeline import finish, stream  # imported meanwhile (start.AFTER_LAUNCH)
-
+        stream, finish = start.serve(run)  # the stages after the release, imported while the gates ran
+        total, unit = stream.stream_total(run)
+        undo.pop_all()  # released next: the run directory stays, and the stream stage ends the tree
     stream.release(run)
-    total, unit = stream.stream_total(run)
     with control.stage("stream", total=total, unit=unit, check=False) as mark:  # the tree runs: no raise here
         stream.stream(run)
         stream.score(run)

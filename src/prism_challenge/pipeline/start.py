@@ -1,10 +1,12 @@
 """The stages before the release, in order: ``data`` (:func:`load_data`), the launch
-(:func:`launch`: the run directory, the feeder's socket, the sandbox and the ranks) and
-``gates`` (:func:`gates`).
+(:func:`launch`: the run directory, the feeder's socket, the sandbox and the ranks), ``gates``
+(:func:`gates`) and the feeder (:func:`serve`).
 
-Nothing here imports torch before the ranks are launched: the parent's own ``import torch``
-(about a second of CPU) then overlaps the ranks' interpreter start and imports instead of
-delaying them. ``tests/test_pipeline_imports.py`` keeps it so.
+Nothing here imports torch before the ranks are launched (on a CPU run): the parent's own
+``import torch`` (about a second of CPU) then overlaps the ranks' interpreter start and imports
+instead of delaying them. The static gates need torch (they resolve names against the live
+modules), so :func:`launch` ends with it; the feeder and the later stages load on a thread
+while the gates run. ``tests/test_pipeline_imports.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from prism_challenge import scratch
@@ -60,7 +63,7 @@ def check_out_dir(run_dir: Path) -> None:
 
 SOCKET_PATH_MAX = 100  # a unix socket path, bytes: under sun_path's 108 with room to spare
 AFTER_LAUNCH = ("prism_challenge.evaluator.feeder", "prism_challenge.pipeline.stream", "prism_challenge.pipeline.finish")
-"""What the parent imports on a thread once the ranks are launched (torch with them)."""
+"""What the parent imports on a thread while the gates run (after its own ``import torch``)."""
 GUARD_INTERVAL_S = 1.0  # the guard's /proc scans: rare, off the ranks' cores (see stream.WATCH_INTERVAL_S)
 
 
@@ -205,7 +208,7 @@ def launch(run: Run, undo: contextlib.ExitStack) -> None:
     run.key = run_secret(opts)  # after intake; never sent to the sandbox
     # the feeder's socket listens before the ranks start: their HELLO waits in its backlog until
     # the feeder, made once the gates passed (:func:`serve`), accepts it
-    run.server, run.token = protocol.listen(run.sock_path, opts.nproc + 4), secrets.token_hex(16)
+    run.server, run.token = protocol.listen(run.sock_path, opts.nproc), secrets.token_hex(16)
     undo.callback(_close_feeder, run)
     run.sandbox = sandbox = _sandbox(opts, run.run_dir, run.artifacts, run.data.root, bundle, run.device)
     undo.callback(sandbox.jail.close)  # the cgroups of what it started, once the kills below ran
@@ -222,13 +225,15 @@ def launch(run: Run, undo: contextlib.ExitStack) -> None:
     if run.device == "cuda":
         from prism_challenge.evaluator.gpu import start_cuda_check
         run.cuda_check = start_cuda_check(sandbox.jail, opts.nproc)  # meanwhile
+    importlib.import_module("torch")  # the parent's own, now that the ranks import theirs (the gates need it)
+
     run.imports = _import_meanwhile(AFTER_LAUNCH)
 
 
 def _import_meanwhile(modules: tuple[str, ...]) -> threading.Thread:
-    """Import ``modules`` on a thread: torch and the stages after the gates load while the gates
-    run (they wait on the parameter cap's child most of the time) and the ranks start. A module
-    that fails to import here raises again, with its error, when :func:`serve` imports it."""
+    """Import ``modules`` on a thread: the feeder and the stages after the release load while
+    the gates run (they wait on the parameter cap's child most of the time). A module that
+    fails to import here raises again, with its error, when :func:`serve` imports it."""
     def load() -> None:
         for name in modules:
             try:
@@ -241,13 +246,18 @@ def _import_meanwhile(modules: tuple[str, ...]) -> threading.Thread:
     return thread
 
 
-def serve(run: Run) -> None:
+def serve(run: Run) -> tuple[ModuleType, ModuleType]:
     """The feeder, once the gates passed: it accepts the ranks waiting in the socket's backlog
-    and holds their configuration until :func:`~prism_challenge.pipeline.stream.release`."""
+    and holds their configuration until :func:`~prism_challenge.pipeline.stream.release`.
+    Returns the modules of the stages after the release (``stream``, ``finish``), imported here,
+    before the release, so that an import that fails is undone like any stage before it."""
     if run.imports is not None:
-        run.imports.join()  # the feeder module is loaded (or failed: imported again below, raising)
+        run.imports.join()  # a module the thread could not import raises below, with its error
+    from prism_challenge.pipeline import finish, stream
+
     run.feeder = _feeder(run, run.server, run.token)
     run.feeder.start(release=False)
+    return stream, finish
 
 
 def _feeder(run: Run, server: socket.socket, token: str) -> Feeder:
