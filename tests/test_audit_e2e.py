@@ -224,7 +224,7 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
 
     monkeypatch.setattr(auditstage, "empty_artifacts", keeping)
     monkeypatch.setattr(finish, "empty_artifacts", keeping)
-    from prism_challenge.audit import heldout
+    from prism_challenge.audit import heldout_parent
     from prism_challenge.audit import rescore
     from prism_challenge.evaluator import freshdir
 
@@ -234,7 +234,7 @@ def test_every_process_that_runs_the_submission_sees_the_same_context(tmp_path, 
                 seen_by_children.extend(torch.load(Path(folder) / "ctx.pt"))
         freshdir.empty_folders(folders)
 
-    monkeypatch.setattr(heldout, "empty_folders", reading_first)
+    monkeypatch.setattr(heldout_parent, "empty_folders", reading_first)
     monkeypatch.setattr(rescore, "empty_folders", reading_first)
     outcome = run(tmp_path, bundle("ctx_probe", tmp_path), "run", token_budget=3_000)
     assert_passes(outcome)

@@ -12,18 +12,13 @@ from pathlib import Path
 import pytest
 
 from prism_challenge import scratch as own_folder
-from prism_challenge.intake.bundle import (
-    ALLOWED_SUFFIXES,
-    BundleError,
-    IntakeLimits,
-    check_tree,
-    extract_zip,
-    load_bundle,
-    open_bundle,
-    private_path,
-    read_spec,
-    readable_copy,
-)
+from prism_challenge.intake.bundle import BundleError, load_bundle, open_bundle
+from prism_challenge.intake.bundlefiles import ALLOWED_SUFFIXES
+from prism_challenge.intake.readable import private_path, readable_copy
+from prism_challenge.intake.refusal import IntakeLimits
+from prism_challenge.intake.spec import read_spec
+from prism_challenge.intake.tree import check_tree
+from prism_challenge.intake.ziparchive import extract_zip
 from prism_challenge.intake.frozen import remove_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,7 +217,7 @@ def test_readable_copy_holds_the_intake_limits_and_leaves_nothing(tmp_path, monk
 def test_readable_copy_cannot_be_redirected_by_a_directory_swapped_for_a_symlink(tmp_path, monkeypatch):
     # the owner swaps sub/ for a symlink to a root-only folder while root copies sub/: files are
     # opened relative to the directory already open, so the copy holds the bundle's own bytes
-    import prism_challenge.intake.bundle as bundle_mod
+    import prism_challenge.intake.readable as bundle_mod
 
     src = _private_bundle(tmp_path / "mine")
     (src / "sub" / "zz.txt").write_text("mine\n")

@@ -367,7 +367,7 @@ def test_blind_probes_keep_the_prefix_and_go_on_with_other_held_out_text():
 
 
 def test_the_parent_takes_per_batch_nats_only_and_sums_them_itself():
-    from prism_challenge.audit.heldout import _model_reply
+    from prism_challenge.audit.heldout_parent import _model_reply
 
     reply = {"nats": 1e9, "batch_nats": [1.5, 2.25, 0.125], "targets": 30, "nonfinite_batches": 0}
     got = _model_reply(reply, 3)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from prism_challenge.intake.bundle import Bundle, Entrypoint
+from prism_challenge.intake.bundle import Bundle
+from prism_challenge.intake.spec import Entrypoint
 from prism_challenge.evaluator.instrument import measure
 from prism_challenge.evaluator.scoringstate import SDPA_BACKENDS, scoring_state
 from prism_challenge.evaluator.statedict import StateError, cast_unsaved_buffers, in_dtypes_of, load_scored_state

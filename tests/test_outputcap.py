@@ -186,7 +186,8 @@ def test_the_parameter_childs_failure_names_the_bytes_dropped(tmp_path):
 
 
 def test_the_held_out_childs_failure_names_the_bytes_dropped():
-    from prism_challenge.audit.heldout import HeldoutError, _run_child
+    from prism_challenge.audit.heldout import HeldoutError
+    from prism_challenge.audit.heldout_parent import _run_child
 
     with pytest.raises(HeldoutError) as caught:
         _run_child(_Jail(), {}, [np.zeros((1, 2), dtype=np.int64)], b"", time.monotonic() + 60, 60)

@@ -61,7 +61,9 @@ def test_the_service_never_sets_a_run_secret(tmp_path):
 
 def test_no_module_keys_a_draw_on_a_path_or_a_salt():
     src = Path(pipeline.__file__).parents[1]
-    for name in (*(f"pipeline/{p.name}" for p in (src / "pipeline").glob("*.py")), "evaluator/feeder.py", "audit/rescore.py", "audit/auditstage.py", "audit/heldout.py",
+    for name in (*(f"pipeline/{p.name}" for p in (src / "pipeline").glob("*.py")), "evaluator/feeder.py",
+                 "audit/rescore.py", "audit/auditstage.py", "audit/heldout.py", "audit/heldout_parent.py",
+                 "audit/heldout_child.py",
                  "score/gapnoise.py", "audit/blindprobe.py"):
         text = (src / name).read_text()
         assert "salt_path.read" not in text and "str(data_root).encode()" not in text, name

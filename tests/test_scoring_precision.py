@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from prism_challenge.audit.blindprobe import blind_probes, compare
-from prism_challenge.intake.bundle import SCORING_AUTOCAST, BundleError, load_bundle
+from prism_challenge.intake.bundle import BundleError, load_bundle
+from prism_challenge.intake.spec import SCORING_AUTOCAST
 from prism_challenge.evaluator import instrument
 from prism_challenge.evaluator.instrument import (
     AUTOCAST_DTYPES, PROBE_TOLERANCE_NATS, ContractError, autocast_dtype, measure, position_logprobs,

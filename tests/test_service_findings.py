@@ -105,7 +105,8 @@ def heldout_causal_error() -> str:
     """``verdict.heldout_error`` of a model the in-process probe found not causal
     (``instrument.check_causal`` through ``heldout.submission_failure``)."""
     from prism_challenge.evaluator.instrument import ContractError, check_causal, target_logprobs
-    from prism_challenge.audit.heldout import HeldoutError, submission_failure
+    from prism_challenge.audit.heldout import HeldoutError
+    from prism_challenge.audit.heldout_child import submission_failure
 
     class Peek(torch.nn.Module):  # position t's logits are the next token's one-hot: it reads the future
         def forward(self, tokens):

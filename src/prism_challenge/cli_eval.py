@@ -25,7 +25,7 @@ from prism_challenge.options import (
 )
 from prism_challenge.evaluator import selftest
 from prism_challenge.failures import USAGE_STAGE
-from prism_challenge.intake.bundle import SCORING_AUTOCAST
+from prism_challenge.intake.spec import SCORING_AUTOCAST
 from prism_challenge.profiles import DEFAULT_PROFILE, ProfileError, load_profile, profile_names, resolve
 
 EXIT_SCORED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

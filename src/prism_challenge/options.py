@@ -28,7 +28,7 @@ from prism_challenge.evaluator.jail import (
 from prism_challenge.evaluator.auditplan import AUDITED_BATCHES
 from prism_challenge.evaluator.launcher import MAX_NPROC
 from prism_challenge.evaluator.protocol import MAX_BATCH_TOKENS
-from prism_challenge.intake.bundle import SCORING_AUTOCAST
+from prism_challenge.intake.spec import SCORING_AUTOCAST
 from prism_challenge.profiles import Profile
 from prism_challenge.score.verdict import Policy
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from gatekit import EXAMPLE, MODELS, SEED_TRAINING, arch, line_of, write_bundle
 
-from prism_challenge.intake.bundle import hash_tree
+from prism_challenge.intake.tree import hash_tree
 from prism_challenge.gates import RULES, run_gates
 
 

@@ -18,7 +18,9 @@ import pytest
 from gatekit import EXAMPLE, SEED_TRAINING, arch
 
 from prism_challenge import scratch as own_folder
-from prism_challenge.intake.bundle import BundleError, IntakeLimits, extract_zip
+from prism_challenge.intake.bundle import BundleError
+from prism_challenge.intake.refusal import IntakeLimits
+from prism_challenge.intake.ziparchive import extract_zip
 from prism_challenge.gates import INTAKE_RULES, run_gates
 
 CLEAN = {"architecture.py": arch(), "training.py": SEED_TRAINING}

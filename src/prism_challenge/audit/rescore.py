@@ -44,7 +44,7 @@ import numpy as np
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
 from prism_challenge.evaluator.snapfile import SnapshotFeed
-from prism_challenge.audit.heldout import _frame, _pack_batches
+from prism_challenge.audit.heldout_wire import _frame, _pack_batches
 
 BLIND_PASSES = 1
 """Blind probe batches per audited slice, each with its own keyed positions: a model that reads the
@@ -69,7 +69,7 @@ class AuditError(RuntimeError):
 
 
 SUBMITTED_STAGES = ("import", "build", "load", "score", "contract")
-"""The prefixes of a child's own error report (:func:`prism_challenge.audit.heldout.submission_failure`)
+"""The prefixes of a child's own error report (:func:`prism_challenge.audit.heldout_child.submission_failure`)
 that name an exception raised while the child ran submitted code: importing the bundle,
 ``build_model``, ``load_state_dict``, the forward (``contract``: the instrument's ContractError).
 The main run ran the same code on the same weights and batch without failing."""

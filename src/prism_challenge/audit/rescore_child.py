@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from prism_challenge.audit.heldout import _read_frame, _unpack_batches, submission_failure
+from prism_challenge.audit.heldout_child import submission_failure
+from prism_challenge.audit.heldout_wire import _read_frame, _unpack_batches
 from prism_challenge.audit.rescore import AuditError
 
 
@@ -75,7 +76,7 @@ def child_run(config: dict[str, Any], batches: list[np.ndarray], states: Any) ->
     from prism_challenge.evaluator.statedict import load_scored_state
     from prism_challenge.score.flops import child_count, shape_of
     from prism_challenge.gates.param_count import count_unique_elements
-    from prism_challenge.audit.heldout import _BuildOnly
+    from prism_challenge.audit.heldout_child import _BuildOnly
 
     device = str(config.get("device", "cpu"))
     seed, vocab, mode = int(config["seed"]), int(config["vocab_size"]), str(config["mode"])

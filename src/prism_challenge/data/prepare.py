@@ -18,11 +18,13 @@ the document that brings a shard to ``shard_bytes`` bytes of text, or at ``shard
 so the same documents give the same shards, and the same sha256, on every run.
 
 Memory: one dict entry (16-byte digest, id) per document read; about 150 bytes each.
+
+The two passes are :mod:`~prism_challenge.data.passes`; this module orders them, writes the
+MANIFEST and renames the build into place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Sequence
@@ -31,15 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from prism_challenge import __version__, scratch
 from prism_challenge.data.manifest import (
     SCHEMA,
-    SPLIT_DIRS,
     DataError,
     DataManifest,
     load_manifest,
@@ -51,11 +48,10 @@ from prism_challenge.data.partition import (
     default_salt_path,
     load_or_create_salt,
     salt_commitment,
-    split_key,
-    split_of_key,
 )
+from prism_challenge.data.passes import stage_source, write_shards
 from prism_challenge.data.progress import ProgressFn
-from prism_challenge.data.shards import COLUMN_TYPES, write_table_shard
+from prism_challenge.data.shards import COLUMN_TYPES
 from prism_challenge.data.sources import (
     FINEWEB_EDU_REPO,
     FINEWEB_EDU_REVISION,
@@ -70,7 +66,6 @@ from prism_challenge.data.sources import (
 
 SHARD_BYTES = 64 << 20  # UTF-8 text bytes per shard (about 20 MB of zstd parquet)
 SHARD_DOCS = 50_000
-_STAGE_SCHEMA = pa.schema([pa.field(n, t) for n, t in COLUMN_TYPES.items()] + [pa.field("_dig", pa.binary(16))])
 
 
 @dataclass(frozen=True)
@@ -86,52 +81,6 @@ class PrepareResult:
     manifest: DataManifest
     salt_file: Path | None
     salt_created: bool
-
-
-class _ShardWriter:
-    """Cuts a split's documents into shards ``<dir>/00000.parquet``, ``00001``, ..."""
-
-    def __init__(self, root: Path, folder: str, shard_bytes: int, shard_docs: int):
-        self.root, self.folder = root, folder
-        self.shard_bytes, self.shard_docs = shard_bytes, shard_docs
-        self.parts: list[pa.Table] = []
-        self.docs = 0
-        self.bytes = 0
-        self.entries: list[dict[str, Any]] = []
-
-    def add(self, table: pa.Table) -> None:
-        lengths = pc.binary_length(table.column("text")).to_numpy(zero_copy_only=False).astype(np.int64)
-        start, n = 0, table.num_rows
-        while start < n:
-            room = self.shard_docs - self.docs
-            cum = self.bytes + np.cumsum(lengths[start : start + room])
-            full = np.flatnonzero(cum >= self.shard_bytes)
-            take = int(full[0]) + 1 if full.size else min(room, n - start)
-            self.parts.append(table.slice(start, take))
-            self.docs += take
-            self.bytes += int(lengths[start : start + take].sum())
-            start += take
-            if self.docs >= self.shard_docs or self.bytes >= self.shard_bytes:
-                self.flush()
-
-    def flush(self) -> None:
-        if not self.docs:
-            return
-        rel = f"{self.folder}/{len(self.entries):05d}.parquet"
-        entry = write_table_shard(self.root / rel, pa.concat_tables(self.parts))
-        self.entries.append({"path": rel, **entry})
-        self.parts, self.docs, self.bytes = [], 0, 0
-
-    def close(self) -> list[dict[str, Any]]:
-        self.flush()
-        return self.entries
-
-
-def _stage_table(table: pa.Table, digests: list[bytes]) -> pa.Table:
-    n = table.num_rows
-    arrays = [table.column(name) if name in table.column_names else pa.nulls(n, typ) for name, typ in COLUMN_TYPES.items()]
-    arrays.append(pa.array(digests, pa.binary(16)))
-    return pa.Table.from_arrays(arrays, schema=_STAGE_SCHEMA)
 
 
 def _check_limits(max_docs: int | None, max_bytes: int | None) -> None:
@@ -205,95 +154,16 @@ def _build(source, tmp, salt, max_docs, max_bytes, shard_bytes, shard_docs, prog
     stage = tmp / ".staging"
     stage.mkdir()
     splits = SPLITS if salt is not None else ("train",)
-    writers = {s: pq.ParquetWriter(stage / f"{s}.parquet", _STAGE_SCHEMA, compression="none") for s in splits}
-    winners: dict[bytes, str | None] = {}
-    per_origin: dict[str, int] = {}
-    present: set[str] = set()
-    docs_read = bytes_read = 0
-    batches = source.batches()
-    try:
-        for batch in batches:
-            table = batch.table
-            n = table.num_rows
-            lengths = pc.binary_length(table.column("text")).to_numpy(zero_copy_only=False).astype(np.int64)
-            cut = n
-            if max_docs is not None:
-                cut = min(cut, max_docs - docs_read)
-            if max_bytes is not None:  # stop before the document that would exceed the budget,
-                cum = np.cumsum(lengths[:cut])  # or right after the one that meets it exactly
-                rem = max_bytes - bytes_read
-                cut = min(int(np.searchsorted(cum, rem, side="right")), int(np.searchsorted(cum, rem, side="left")) + 1)
-            if cut < n:
-                table, lengths = table.slice(0, cut), lengths[:cut]
-            if cut:
-                present.update(table.column_names)
-                ids = table.column("id").to_pylist()
-                texts = pc.cast(table.column("text"), pa.binary()).to_pylist()
-                digests = [hashlib.blake2b(t, digest_size=16).digest() for t in texts]
-                for d, i in zip(digests, ids):
-                    w = winners.get(d)
-                    if w is None or i < w:
-                        winners[d] = i
-                staged = _stage_table(table, digests)
-                if salt is None:
-                    writers["train"].write_table(staged)
-                else:
-                    names = np.array([split_of_key(split_key(salt, i)) for i in ids])
-                    for s in splits:
-                        mask = names == s
-                        if mask.any():
-                            writers[s].write_table(staged.filter(pa.array(mask)))
-                docs_read += cut
-                bytes_read += int(lengths.sum())
-                per_origin[batch.origin] = per_origin.get(batch.origin, 0) + cut
-                if progress is not None:
-                    progress(docs_read, bytes_read)
-            if cut < n or (max_docs is not None and docs_read >= max_docs) or (
-                max_bytes is not None and bytes_read >= max_bytes
-            ):
-                break  # read no further (no more row groups, no more files)
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stop reading the source (closes open files)
-        for w in writers.values():
-            w.close()
+    winners, per_origin, present, docs_read, bytes_read = stage_source(source, stage, splits, salt, max_docs,
+                                                                         max_bytes, progress)
 
     columns = [c for c in COLUMN_TYPES if c in present] or ["id", "text"]
-    split_entries: dict[str, Any] = {}
-    kept = 0
-    for s in splits:
-        writer = _ShardWriter(tmp, SPLIT_DIRS[s], shard_bytes, shard_docs)
-        pf = pq.ParquetFile(stage / f"{s}.parquet")
-        for rb in pf.iter_batches(batch_size=4096):
-            ids = rb.column(0).to_pylist()
-            digests = rb.column(rb.num_columns - 1).to_pylist()
-            keep = np.zeros(len(ids), dtype=bool)
-            for k, (i, d) in enumerate(zip(ids, digests)):
-                if winners.get(d) == i:
-                    keep[k] = True
-                    winners[d] = None  # emitted: later copies (same id and text) are duplicates
-            if keep.any():
-                writer.add(pa.Table.from_batches([rb]).filter(pa.array(keep)).select(columns))
-        pf.close()
-        shards = writer.close()
-        split_entries[s] = {
-            "documents": sum(e["documents"] for e in shards),
-            "utf8_bytes": sum(e["utf8_bytes"] for e in shards),
-            "shards": shards,
-        }
-        kept += split_entries[s]["documents"]
+    split_entries, kept = write_shards(tmp, stage, splits, winners, columns, shard_bytes, shard_docs)
     shutil.rmtree(stage)
     if split_entries["train"]["documents"] == 0:
         raise DataError(f"no documents landed in the train split ({docs_read} read): nothing to prepare")
 
-    info = dict(source.info)
-    if source.kind in ("files", "fineweb-edu"):
-        names = list(source.file_info) + [o for o in per_origin if o not in source.file_info]
-        info["files"] = [{"path": o, "documents_read": per_origin.get(o, 0), **source.file_info.get(o, {})} for o in names]
-    info["max_docs"] = max_docs
-    info["max_bytes"] = max_bytes
-    info["columns_dropped"] = sorted(source.dropped_columns)
+    info = _source_info(source, per_origin, max_docs, max_bytes)
     data: dict[str, Any] = {
         "schema": SCHEMA,
         "tool": {"name": "prism-challenge", "version": __version__},
@@ -317,6 +187,19 @@ def _build(source, tmp, salt, max_docs, max_bytes, shard_bytes, shard_docs, prog
     }
     data.update(extra)
     return data
+
+
+def _source_info(source, per_origin, max_docs, max_bytes) -> dict[str, Any]:
+    """The MANIFEST's ``source`` record: the source's own, the files read, the limits, the
+    columns dropped."""
+    info = dict(source.info)
+    if source.kind in ("files", "fineweb-edu"):
+        names = list(source.file_info) + [o for o in per_origin if o not in source.file_info]
+        info["files"] = [{"path": o, "documents_read": per_origin.get(o, 0), **source.file_info.get(o, {})} for o in names]
+    info["max_docs"] = max_docs
+    info["max_bytes"] = max_bytes
+    info["columns_dropped"] = sorted(source.dropped_columns)
+    return info
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -21,14 +21,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
 
-from prism_challenge.intake.bundle import (
-    Bundle,
-    BundleError,
-    Entrypoint,
-    IntakeLimits,
-    hash_tree,
-    read_spec,
-)
+from prism_challenge.intake.bundle import Bundle, BundleError
+from prism_challenge.intake.refusal import IntakeLimits
+from prism_challenge.intake.spec import Entrypoint, read_spec
+from prism_challenge.intake.tree import hash_tree
 from prism_challenge.intake.frozen import freeze
 from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
 from prism_challenge.gates.complexity import deepest, guarded

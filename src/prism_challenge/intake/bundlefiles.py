@@ -2,7 +2,8 @@
 that the interpreter cannot import from anywhere else.
 
 Each check returns ``None`` or a :data:`Problem`, ``(rule id, one-line message naming the
-file)``; :mod:`prism_challenge.intake.bundle` raises it as a ``BundleError`` (an intake refusal).
+file)``; the intake rules (:mod:`~prism_challenge.intake.tree`, :mod:`~prism_challenge.intake.ziparchive`)
+raise it as a ``BundleError`` (an intake refusal, :mod:`~prism_challenge.intake.refusal`).
 
 * kinds (:func:`kind_problem`): ``.py``, ``.md``, ``.txt`` files and ``prism.yaml``;
   ``__pycache__`` folders and ``.pyc`` files are refused with a hint (``prism:bytecode``); a

@@ -1,7 +1,7 @@
 """The bundle frozen at intake: one read-only copy that every stage uses, checked after the run.
 
 :func:`freeze` copies a bundle directory (or extracts a ``.zip``) once, through the intake rules
-(:func:`prism_challenge.intake.bundle.open_bundle`, :func:`~prism_challenge.intake.bundle.readable_copy`), into
+(:func:`prism_challenge.intake.bundle.open_bundle`, :func:`~prism_challenge.intake.readable.readable_copy`), into
 a fresh temporary directory owned by the trusted side, and makes it read-only: directories
 ``0555``, files ``0444``. Submitted code reads it (as "other" when it runs as the sandbox uid)
 but cannot write it: the sandbox binds it read-only, the audit hook refuses writes to it, and
@@ -19,7 +19,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism_challenge.intake.bundle import IntakeLimits, open_bundle, readable_copy
+from prism_challenge.intake.bundle import open_bundle
+from prism_challenge.intake.readable import readable_copy
+from prism_challenge.intake.refusal import IntakeLimits
 from prism_challenge.scratch import remove_tree  # re-exported: frozen.remove_tree (a read-only tree)
 
 

@@ -18,6 +18,12 @@ a cancel during the gates) is never written to disk; :func:`early_manifest` buil
 result, with ``null`` for every section the run never reached. A ``scored`` manifest must have
 every section (a model validator checks it).
 
+The sections' models are defined by what they record, in
+:mod:`~prism_challenge.manifest.run_sections` (what the run was given, where it ran) and
+:mod:`~prism_challenge.manifest.score_sections` (what it measured, how it was checked), on the
+shared base and field types of :mod:`~prism_challenge.manifest.fields`; this module re-exports
+them (``__all__``) with the manifest itself, the result type and the schema generator.
+
 Units: bytes are UTF-8 bytes of text unless named ``*_bytes`` of memory or files; ``*_s`` are
 seconds of wall clock; nats and bits are code lengths (``bits = nats / ln 2``).
 """
@@ -31,438 +37,57 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, ConfigDict, Field, model_validator
 
 from prism_challenge.failures import FailureKind
+from prism_challenge.manifest.fields import Sha256, Status, _Model
 from prism_challenge.manifest.run_manifest import SCHEMA as SCHEMA_ID
+from prism_challenge.manifest.run_sections import (  # re-exported: the results types
+    Budgets,
+    BundleInfo,
+    Compute,
+    DataInfo,
+    DataSource,
+    Failure,
+    Finding,
+    Gates,
+    GpuStack,
+    GuardInfo,
+    Isolation,
+    Limits,
+    ModelInfo,
+    ProfileRecord,
+    RunConfig,
+    TokenizerInfo,
+    Tool,
+    VerdictPolicy,
+)
+from prism_challenge.manifest.score_sections import (  # re-exported: the results types
+    Audit,
+    AuditBatch,
+    AuditSchedule,
+    Certificate,
+    Curve,
+    Heldout,
+    MemorizationNoise,
+    ReferenceCodes,
+    Score,
+    Stream,
+    Timing,
+    Verdict,
+)
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
 REGENERATE = "python -m prism_challenge.manifest.results --write-schema"
 
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-Count = Annotated[int, Field(ge=0)]
-Seconds = Annotated[float, Field(ge=0)]
-ShapeKey = Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]  # a rank slice's "BxT" (prism_challenge.score.flops)
-Status = Literal["scored", "failed", "cancelled"]
-StopReason = Literal["", "token_budget", "byte_budget", "step_budget", "wall_clock_budget", "stream_exhausted",
-                     "loop_stopped", "stalled", "failed"]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Tool(_Model):
-    """The harness that wrote the manifest."""
-
-    name: Literal["prism-challenge"]
-    version: str
-
-
-class Failure(_Model):
-    """Why the run was not scored: ``stage`` and ``cause`` select the row of
-    :data:`prism_challenge.failures.FAILURE_KINDS` that gives ``kind``."""
-
-    stage: str
-    message: str
-    detail: str = ""
-    kind: FailureKind
-    cause: str = ""
-
-
-class BundleInfo(_Model):
-    """The bundle as given (``path``) and as frozen at intake (hashes of the code that ran);
-    only ``path`` is known for a bundle refused at intake."""
-
-    path: str
-    sha256: Sha256 | None = None
-    files: dict[str, Sha256] | None = None
-    architecture: str | None = None  # "file.py:symbol"
-    training: str | None = None
-
-
-class Finding(_Model):
-    """One gate finding (``prism_challenge.gates.findings.Finding``)."""
-
-    rule: str
-    file: str
-    line: Count
-    col: Count
-    message: str
-    blocking: bool
-
-
-class Gates(_Model):
-    """The static gates' findings and the parameter cap's count (``None``: the gate did not run)."""
-
-    findings: list[Finding]
-    parameter_count: Count | None
-
-
-class DataSource(BaseModel):
-    """The data MANIFEST's ``source`` record: ``kind`` plus keys of that kind (extra allowed)."""
-
-    model_config = ConfigDict(extra="allow")
-    kind: str
-
-
-class DataInfo(_Model):
-    """The locked data directory the stream was cut from."""
-
-    dir: str
-    manifest_sha256: Sha256
-    source: DataSource | None
-    split: Literal["train"]
-
-
-class TokenizerInfo(_Model):
-    """The reference tokenizer (``sha256`` of its pinned files)."""
-
-    name: str
-    sha256: Sha256
-    vocab_size: Annotated[int, Field(gt=0)]
-    eot_token: Count
-
-
-class VerdictPolicy(_Model):
-    """The :class:`~prism_challenge.score.verdict.Policy` the run's verdict was computed under (its
-    fields, as the dataclass names them), so ``prism verify`` recomputes the verdict with it."""
-
-    tail_fraction: float
-    gap_z: float
-    gap_floor_bpb: float
-    gap_penalty: float
-    anomaly_ratio: float
-    significance_p: float | None = None  # the crown rule's level (absent before issue 29)
-    rank_epsilon_bpb: float | None = None  # the tie width before issue 29 (never a verdict figure)
-    confirm_top_n: Annotated[int, Field(ge=0)] | None = None  # absent before issue 29
-    confirm_runs: Annotated[int, Field(ge=1)] | None = None
-
-
-class RunConfig(_Model):
-    """What the model was built with: ``ctx.max_seq_len``, the parameter cap, threads per rank,
-    and the scoring precision (:mod:`prism_challenge.score.scoringprecision`): ``scoring_autocast``
-    (the autocast dtype of the scoring forwards; absent before it existed), where it came from
-    (``scoring_autocast_source``: ``prism.yaml``'s, or the profile's) and the attention kernels
-    of the scoring forwards (``scoring_sdpa``, in priority order); the last two absent before
-    issue 26."""
-
-    sequence_length: Annotated[int, Field(ge=2)]
-    max_parameters: Annotated[int, Field(ge=1)]
-    threads: Annotated[int, Field(ge=1)]
-    scoring_autocast: Literal["fp32", "bf16", "fp16"] | None = None
-    scoring_autocast_source: Literal["bundle", "profile"] | None = None
-    scoring_sdpa: list[str] | None = None
-    policy: VerdictPolicy | None = None  # the verdict's policy (absent before issue 25's verify recomputed it)
-
-
-class GpuStack(_Model):
-    """``compute.gpu``: the GPU stack the jailed CUDA check saw (every field ``None`` on CPU),
-    and each rank's peak allocated and reserved device bytes (keys ``"0"``, ``"1"``...)."""
-
-    device: Literal["cpu", "cuda"]
-    gpu_model: str | None = None
-    gpu_models: list[str] | None = None
-    gpu_count: Count | None = None
-    compute_capability: str | None = None
-    memory_bytes: Count | None = None
-    driver: str | None = None
-    cuda_runtime: str | None = None
-    cudnn: int | None = None
-    nccl: str | None = None
-    peak_allocated_bytes: dict[str, Count | None] = Field(default_factory=dict)
-    peak_reserved_bytes: dict[str, Count | None] = Field(default_factory=dict)
-
-
-class Budgets(_Model):
-    """The stream's budgets (``None``: none); ``wall_clock_budget_s`` counts from the gates' release."""
-
-    token_budget: Count | None = None
-    byte_budget: Count | None = None
-    step_budget: Count | None = None
-    wall_clock_budget_s: Seconds | None = None
-
-
-class Compute(_Model):
-    """Where it ran; ``peak_*_bytes`` of memory per rank (keys ``"0"``, ``"1"``...); ``launcher``:
-    the agent that started the ranks (``"single"``: one rank under
-    :mod:`~prism_challenge.evaluator.single`; ``"torchrun"``, also every manifest written before
-    that agent existed). What the run spent (:mod:`~prism_challenge.score.flops`): FLOPs per rank
-    slice shape ``"BxT"``, the training estimate, wall seconds and device-seconds (``None``
-    before issue 29; ``flops_error`` says why a count is missing)."""
-
-    torch_version: str
-    python: str
-    platform: str
-    device: Literal["cpu", "cuda"]
-    world_size: Annotated[int, Field(ge=1)]
-    nproc_per_node: Annotated[int, Field(ge=1)]
-    nnodes: Literal[1]
-    warm_ranks: bool
-    launcher: Literal["single", "torchrun"] = "torchrun"
-    device_name: str | None
-    peak_rss_bytes: dict[str, Count | None]
-    peak_device_bytes: dict[str, Count | None]
-    parent_peak_rss_bytes: Count
-    # what the run spent (prism_challenge.score.flops; absent before issue 29): FLOPs of one scoring
-    # forward per rank slice shape "BxT", counted in the audit's re-scoring child; slices scored per
-    # shape; 3 x their forward FLOPs; seconds of the stream (release to last record) and of the run;
-    # stream seconds x ranks; the count's own seconds; how it was counted; why there is no count
-    forward_flops_per_batch: dict[ShapeKey, Count] | None = None
-    batches_per_shape: dict[ShapeKey, Count] | None = None
-    training_flops_estimate: Count | None = None
-    stream_wall_s: Seconds | None = None
-    run_wall_s: Seconds | None = None
-    device_seconds: Seconds | None = None
-    flops_count_s: Seconds | None = None
-    flops_method: str | None = None
-    flops_error: str | None = None
-    gpu: GpuStack | None = None
-
-
-class ModelInfo(_Model):
-    """The scored model: unique parameter and buffer elements, its ``state_dict``'s sha256 per rank."""
-
-    parameter_count: Count | None
-    state_sha256: Sha256 | None
-    state_sha256_per_rank: dict[str, Sha256 | None]
-    state_path: str | None
-
-
-class Stream(_Model):
-    """What the feeder served and recorded: global batches, stream tokens, scored targets, bytes."""
-
-    stop_reason: StopReason
-    batches: Count
-    tokens: Count
-    targets: Count
-    bytes: Count
-
-
-class Score(_Model):
-    """The prequential score: ``prequential_bpb = total_bits / bytes`` (bits per UTF-8 byte)."""
-
-    total_nats: float
-    total_bits: float
-    targets: Count
-    bytes: Count
-    prequential_bpb: float
-    nonfinite_batches: Count
-
-
-class ReferenceCodes(_Model):
-    """What general-purpose compressors make of the text the run scored
-    (:mod:`prism_challenge.data.refcodes`): the first ``bytes`` bytes (``score.bytes``) of the
-    concatenation of the train split's documents' UTF-8 bytes in stream order, its sha256, and
-    each compressor's code length in bits per byte (``8 * compressed bytes / bytes``, the
-    prequential bpb's denominator): zstd at level 19, xz at preset ``9 | PRESET_EXTREME``, gzip
-    at level 9."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    bytes: Annotated[int, Field(gt=0)]
-    text_sha256: Sha256
-    zstd_19: Annotated[float, Field(ge=0, alias="zstd-19")]
-    xz_9e: Annotated[float, Field(ge=0, alias="xz-9e")]
-    gzip_9: Annotated[float, Field(ge=0, alias="gzip-9")]
-
-
-class Curve(_Model):
-    """Per scored batch: nats per target, cumulative targets, cumulative bytes (equal lengths)."""
-
-    nats_per_target: list[float]
-    cumulative_targets: list[Count]
-    cumulative_bytes: list[Count]
-
-    @model_validator(mode="after")
-    def _same_length(self) -> Curve:
-        if not len(self.nats_per_target) == len(self.cumulative_targets) == len(self.cumulative_bytes):
-            raise ValueError("curve: nats_per_target, cumulative_targets and cumulative_bytes differ in length")
-        return self
-
-
-class Timing(_Model):
-    """Wall-clock figures (s) from torchrun's launch, the gates' release and the call's start;
-    ``last_record_unix`` is a Unix time (s)."""
-
-    gates_s: Seconds
-    launch_to_release_s: Seconds
-    launch_to_ready_s: Seconds | None
-    launch_to_first_batch_s: Seconds | None
-    launch_to_last_record_s: Seconds | None
-    release_to_first_batch_s: float | None
-    release_to_last_record_s: float | None
-    start_to_last_record_s: Seconds | None = None
-    last_record_unix: float | None = None
-    after_stream_s: float | None
-    heldout_s: Seconds
-    wall_s: Seconds
-
-
-class ProfileRecord(_Model):
-    """The challenge profile (``sha256`` of its TOML file) and the fields set otherwise."""
-
-    name: str
-    version: int
-    sha256: Sha256
-    overridden: list[str]
-    data_mismatch: list[str] | None = None
-
-
-class Limits(_Model):
-    """rlimits of every jailed process (``None``: not limited)."""
-
-    address_space_bytes: Count | None
-    max_processes: Count | None
-    max_file_bytes: Count | None
-    max_open_files: Count | None
-    memory_bytes: Count | None = None  # the cgroup's memory.max per jailed tree (CPU and CUDA)
-
-
-class GuardInfo(_Model):
-    """The parent's guard: artifacts quota and peak, task cap and peak, why it stopped the run."""
-
-    uid: int | None
-    quota_bytes: Count | None
-    peak_bytes: Count
-    max_processes: Count | None
-    peak_tasks: Count
-    reason: str | None
-
-
-class Isolation(_Model):
-    """The jail of the run (``evaluator/jail.py``) and the guard; ``warning`` only without a sandbox."""
-
-    mode: Literal["strict", "none"]
-    isolated: bool
-    backend: str | None
-    uid: int | None = None
-    hidden: list[str]
-    limits: Limits
-    tmp_bytes: Count | None = None  # the sandbox's private /tmp and /dev/shm sizes
-    shm_bytes: Count | None = None
-    memory_limit_by: Literal["rlimit", "cgroup", "none"] = "rlimit"
-    memory_warning: str | None = None  # only when nothing held the memory (CUDA without a cgroup v2 memory controller)
-    audit_hooks: bool = True
-    audit_exit_code: int | None = None
-    guard: GuardInfo
-    warning: str | None = None
-
-
-class Heldout(_Model):
-    """The held-out figures (``heldout_delta = val_bpb_twin - val_bpb_trained``, bpb)."""
-
-    val_bpb_twin: float | None
-    val_bpb_trained: float | None
-    heldout_delta: float | None
-    targets: Count
-    bytes: Count
-    nats_twin: float | None
-    nats_trained: float | None
-    nonfinite_batches_twin: Count
-    nonfinite_batches_trained: Count
-    batches: Count
-    split: str
-    max_bytes: Count
-    parameter_count: Count | None
-    blind_probes: Count
-    wall_s: Seconds
-    batch_bytes: list[Count] | None = None  # per val batch (absent in manifests before the measured gap threshold)
-    batch_nats_twin: list[float | None] | None = None
-    batch_nats_trained: list[float | None] | None = None
-
-
-class MemorizationNoise(_Model):
-    """``prism_challenge.score.gapnoise.GapNoise`` plus ``gap_over_se``: the gap's measured standard
-    error and the threshold ``max(floor_bpb, z * se_gap_bpb)`` it set (bpb)."""
-
-    se_tail_bpb: float | None
-    se_val_bpb: float | None
-    se_gap_bpb: float | None
-    tail_units: Count
-    val_units: Count
-    rule: str
-    z: float
-    floor_bpb: float
-    threshold_bpb: float
-    gap_over_se: float | None
-
-
-class Verdict(_Model):
-    """``prism_challenge.score.verdict.Verdict`` (non-finite floats written as ``null``):
-    ``final_score = anti_cheat_multiplier * memorization_penalty / (1 + prequential_bpb)``;
-    ``memorization_threshold`` is the run's own (a fixed policy value in older manifests)."""
-
-    prequential_bpb: float
-    tail_bpb: float | None
-    tail_fraction: float
-    first_batch_nats_per_target: float | None
-    anomaly_threshold_nats: float
-    anomaly_flagged: bool
-    anti_cheat_multiplier: float
-    heldout: Heldout | None
-    heldout_error: str | None
-    memorization_gap: float | None
-    memorization_threshold: float
-    memorization_flagged: bool
-    memorization_penalty: float
-    final_score: float
-    flags: list[str]
-    memorization_se_bpb: float | None = None  # absent in manifests before the measured threshold
-    memorization_noise: MemorizationNoise | None = None
-
-
-class AuditBatch(_Model):
-    """One audited batch: its recorded and re-scored nats, per rank (``null``: not finite)."""
-
-    step: Count
-    snapshot_sha256: Sha256 | None
-    inputs_sha256: Sha256
-    recorded_nats: list[float | None]
-    rescored_nats: list[float | None]
-    match: bool
-
-
-class AuditSchedule(_Model):
-    """How the audited batches were drawn (:mod:`prism_challenge.evaluator.auditplan`): rule
-    ``harmonic``: batch 0, then batch ``k`` with probability ``min(1, A / k)``, keyed on the
-    manifest's ``run_secret``; ``audited_batches`` is ``A``."""
-
-    rule: Literal["harmonic"]
-    audited_batches: Count
-
-
-class Audit(_Model):
-    """The audit (:mod:`prism_challenge.audit.rescore`): audited batches re-scored from their weight
-    snapshots in fresh processes, and their blind probes. ``passed`` false zeroes the run.
-    ``schedule``: absent in manifests before issue 25, which hold instead the budget-derived
-    ``rate`` and ``expected_batches`` (both absent or ``null`` since)."""
-
-    audited_batches_target: Count
-    schedule: AuditSchedule | None = None
-    rate: float | None = None
-    expected_batches: Count | None = None
-    rtol: float
-    shape: list[Count] | None
-    context: dict[str, int | str | None]
-    batches: list[AuditBatch]
-    blind_probes: Count
-    probe_skipped: str | None
-    mismatch: str | None
-    error: str | None
-    passed: bool
-    wall_s: Seconds
-
-
-class Certificate(_Model):
-    """The run certificate (:mod:`prism_challenge.manifest.certificate`): an ed25519 signature over the
-    RFC 8785 canonical form of the manifest without this field."""
-
-    alg: Literal["ed25519"]
-    canonicalization: Literal["RFC 8785"]
-    public_key: str  # base64 of the raw 32-byte public key
-    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]  # sha256(public key)[:16 hex]
-    signature: str  # base64 of the 64-byte signature
+__all__ = [  # the results types: the sections' models are defined in run_sections and score_sections
+    "SCHEMA_PATH", "REGENERATE", "SCORED_SECTIONS", "RunManifest", "EvalResult", "early_manifest",
+    "manifest_schema", "schema_text", "Tool", "Failure", "BundleInfo", "Finding", "Gates", "DataSource",
+    "DataInfo", "TokenizerInfo", "VerdictPolicy", "RunConfig", "GpuStack", "Budgets", "Compute", "ModelInfo",
+    "ProfileRecord", "Limits", "GuardInfo", "Isolation", "Stream", "Score", "ReferenceCodes", "Curve",
+    "Timing", "Heldout", "MemorizationNoise", "Verdict", "AuditBatch", "AuditSchedule", "Audit",
+    "Certificate",
+]
 
 
 SCORED_SECTIONS = ("gates", "data", "tokenizer", "config", "budgets", "compute", "model", "stream", "score",

@@ -1,6 +1,6 @@
 """Unpacking a submitted zip safely, at the service's intake (issue 17, item 3).
 
-The zip rules themselves are :func:`prism_challenge.intake.bundle.extract_zip`'s, defined once there and
+The zip rules themselves are :func:`prism_challenge.intake.ziparchive.extract_zip`'s, defined once there and
 shared with ``prism eval BUNDLE.zip`` (the stdlib :mod:`zipfile` reads the archive): every member
 is checked from the central directory before a byte is written (member count, declared total
 size, per-member compression ratio, absolute or parent-relative names, names another extractor
@@ -21,7 +21,9 @@ import tempfile
 from pathlib import Path
 
 from prism_challenge import scratch
-from prism_challenge.intake.bundle import BundleError, IntakeLimits, extract_zip
+from prism_challenge.intake.bundle import BundleError
+from prism_challenge.intake.refusal import IntakeLimits
+from prism_challenge.intake.ziparchive import extract_zip
 
 CODES = {
     "not-a-zip": ("prism:bad-zip", "prism:bundle-unreadable"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from prism_challenge.intake.bundle import SKIPPED_DIRS
+from prism_challenge.intake.tree import SKIPPED_DIRS
 from prism_challenge.service.signing import sign_request
 
 FINAL = ("completed", "failed", "rejected")

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prism_challenge import scratch
-from prism_challenge.intake.bundle import SPEC_FILE, BundleError, read_spec_full
+from prism_challenge.intake.bundle import BundleError
+from prism_challenge.intake.spec import SPEC_FILE, read_spec_full
 from prism_challenge.gates.findings import Finding
 from prism_challenge.profiles import Profile
 from prism_challenge.service.archive import ArchiveError, extract_bundle

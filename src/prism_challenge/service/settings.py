@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from prism_challenge.intake.bundle import IntakeLimits
+from prism_challenge.intake.refusal import IntakeLimits
 
 CONFIG_ENV = "PRISM_CONFIG"
 _LIMITS = IntakeLimits()
