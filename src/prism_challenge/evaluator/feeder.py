@@ -86,6 +86,7 @@ class FeederFailure(RuntimeError):
         super().__init__(f"{stage}: {message}")
         self.stage, self.message, self.traceback = stage, message, tb
 
+
 class Feeder(RankLink, BatchServer, StateReceiver, RankChecks):
     """Serves the stream to ``world_size`` runners over a Unix socket and records their losses.
 

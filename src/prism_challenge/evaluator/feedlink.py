@@ -47,6 +47,7 @@ class RankState:
     state_bytes: int = 0
     snapshots: SnapshotStore | None = None  # rank 0: the audited batches' snapshots
 
+
 class RankLink:
     """Sends frames to the ranks (a base of :class:`~prism_challenge.evaluator.feeder.Feeder`):
     :meth:`_send` from a rank's reading thread, :meth:`_write` on that rank's writer thread."""

@@ -27,7 +27,6 @@ def host_memory_bytes() -> int | None:
     return None
 
 
-
 class MemoryCgroup:
     """A cgroup v2 with ``memory.max`` for one jailed process tree, where the host allows it.
 

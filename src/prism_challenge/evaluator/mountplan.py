@@ -46,7 +46,6 @@ ETC_FILES = (
 SYS_TREES = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
 
 
-
 @dataclass
 class _Plan:
     """Mount operations, in order, on an empty root:
