@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from prism_challenge.audit import rescore
-from prism_challenge.evaluator.jail import Finished
+from prism_challenge.evaluator.jailchild import Finished
 from prism_challenge.audit.heldout_wire import _read_frame
 from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.service.findings import finding_of

@@ -235,7 +235,7 @@ def test_a_cuda_spare_starts_its_device_in_the_prologue_and_a_cpu_one_does_not(m
 
 def test_a_full_trusted_disk_is_the_submissions_fault_only_past_the_float32_size_at_the_cap(tmp_path):
     """Red team F2: a snapshot-write failure once earned every run a retry (under a new secret)."""
-    from prism_challenge.evaluator.feeder import SnapshotDiskError
+    from prism_challenge.evaluator.feedstate import SnapshotDiskError
     from prism_challenge.failures import kind_of
 
     cap = 16 * 1000  # the pipeline's cap: 16 bytes per element of a model at 1000 parameters

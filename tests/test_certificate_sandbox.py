@@ -43,9 +43,9 @@ def test_a_sandboxed_loop_cannot_read_the_signing_key(tmp_path, monkeypatch):
     key.chmod(0o600)
     (folder / "canary.txt").write_text("visible")
     if os.geteuid() == 0:  # the sandbox runs as its own uid: give it the key (0600), so hiding is the only defense
-        from prism_challenge.evaluator import isolation, jail
+        from prism_challenge.evaluator import jail, sandboxwatch
 
-        uid = isolation.pick_sandbox_uid()
+        uid = sandboxwatch.pick_sandbox_uid()
         monkeypatch.setattr(jail, "pick_sandbox_uid", lambda: uid)
         os.chown(key, uid, uid)
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{folder}:{os.environ.get('LD_LIBRARY_PATH', '')}")  # bound read-only

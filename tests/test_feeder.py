@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from prism_challenge.evaluator import feeder as feeder_mod
+from prism_challenge.evaluator import feedbatch
 from prism_challenge.evaluator import protocol
 from prism_challenge.evaluator.feeder import Feeder, RowAssembler
 from prism_challenge.evaluator.protocol import Kind
@@ -247,7 +247,7 @@ def test_a_rank_that_takes_a_batch_its_peer_left_before_fails_the_run(tmp_path):
 
 def test_a_runner_that_records_batches_it_never_read_is_stopped(tmp_path, monkeypatch):
     # the trusted side holds at most one unsent batch per rank: it does not queue the stream
-    monkeypatch.setattr(feeder_mod, "DRAIN_WAIT_S", 0.5)
+    monkeypatch.setattr(feedbatch, "DRAIN_WAIT_S", 0.5)
     n = 600_000
     f = Feeder(str(tmp_path / "f.sock"), iter(chunks_of(RNG.integers(0, 256, n).tolist(), [1] * n, 100_000)),
                {"seed": 1}, vocab_size=257)
@@ -311,7 +311,7 @@ def test_probe_schedule_is_fixed_by_the_key_and_differs_between_keys(tmp_path):
     assert sa == sb and sa != sc
     probed = [p for p in sa if p is not None]
     # the first PROBE_FIRST steps always, then about PROBE_RATE of the rest (800 draws: 2 + ~50)
-    assert all(sa[i] is not None for i in range(feeder_mod.PROBE_FIRST))
+    assert all(sa[i] is not None for i in range(feedbatch.PROBE_FIRST))
     assert 20 < len(probed) < 100
     assert all(1 <= k < 64 and 1 <= shift < 257 and 0 <= row < 8 for k, shift, row in probed)
     for f in (a, b, c):

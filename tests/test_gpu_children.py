@@ -23,13 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from prism_challenge.evaluator import gpuadmit, jail as jail_mod
+from prism_challenge.evaluator import gpuadmit, memcgroup
 from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, build_policy, find_refusal
 from prism_challenge.evaluator.cudainit import start_cuda
 from prism_challenge.evaluator.envpolicy import sandbox_env
 from prism_challenge.evaluator.isolation import Limits
-from prism_challenge.evaluator.jail import MEMORY_UNBOUNDED_WARNING, Jail, MemoryCgroup, child_env, jail_limits
+from prism_challenge.evaluator.jail import MEMORY_UNBOUNDED_WARNING, Jail, child_env, jail_limits
 from prism_challenge.evaluator.launcher import compute_env
+from prism_challenge.evaluator.memcgroup import MemoryCgroup
 
 HERE = Path(__file__).parent
 SITE = os.path.realpath(sysconfig.get_paths()["purelib"])
@@ -382,7 +383,7 @@ def test_this_hosts_cuda_memory_bound_is_stated(tmp_path):
     jail = Jail("none", str(tmp_path), (), jail_limits("cuda", 1 << 30), 1)
     limits, group = jail._memory()
     try:
-        v2 = (jail_mod.CGROUP_ROOT / "cgroup.controllers").is_file()
+        v2 = (memcgroup.CGROUP_ROOT / "cgroup.controllers").is_file()
         assert jail.summary()["memory_limit_by"] == ("cgroup" if group is not None else "none")
         assert group is not None or not v2 or jail.memory_unbounded
         if not v2:

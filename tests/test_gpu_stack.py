@@ -20,7 +20,8 @@ from prism_challenge.evaluator.gpu import (
     parse_check,
     peak_memory,
 )
-from prism_challenge.evaluator.jail import Finished, Jail
+from prism_challenge.evaluator.jail import Jail
+from prism_challenge.evaluator.jailchild import Finished
 from prism_challenge.evaluator.isolation import Limits
 
 from helpers import EXAMPLE

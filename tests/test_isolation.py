@@ -19,19 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from prism_challenge.evaluator import isolation
+from prism_challenge.evaluator import isolation, mountplan, sandboxargv, sandboxwatch
 from prism_challenge.evaluator.isolation import (
     Guard,
     IsolationError,
     Limits,
-    QuotaExceeded,
-    artifacts_usage,
-    check_quota,
     limits_preexec,
-    pick_sandbox_uid,
     sandbox_prefix,
-    tasks_of_uid,
 )
+from prism_challenge.evaluator.sandboxwatch import QuotaExceeded, artifacts_usage, check_quota, pick_sandbox_uid, tasks_of_uid
 
 ROOT = os.geteuid() == 0
 WORKING = [b for b in isolation.BACKENDS if isolation.probe(b)[0]] if sys.platform == "linux" else []
@@ -80,7 +76,7 @@ def layout(tmp_path):
 
 def prefix_for(layout, backend, **kw):
     kw.setdefault("uid", pick_sandbox_uid() if ROOT else None)
-    kw.setdefault("readable", isolation._default_readable() + [str(layout["base"])])
+    kw.setdefault("readable", mountplan._default_readable() + [str(layout["base"])])
     uid = kw["uid"]
     pre = sandbox_prefix(
         "strict",
@@ -261,10 +257,10 @@ print(json.dumps(out))
         assert r[name] == "ENOENT", (name, r[name])
     assert r["glob_jsonl"] == []
     allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "sys", "dev", "proc", "tmp"}
-    needed = isolation._default_readable() + [str(layout["base"])]
+    needed = mountplan._default_readable() + [str(layout["base"])]
     allowed |= {Path(p).parts[1] for p in needed if len(Path(p).parts) > 1}
     assert set(r["ls:/"]) <= allowed, set(r["ls:/"]) - allowed
-    assert set(r["ls:/etc"]) <= set(isolation.ETC_FILES) | {f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+    assert set(r["ls:/etc"]) <= set(mountplan.ETC_FILES) | {f"python{sys.version_info[0]}.{sys.version_info[1]}"}
     assert r["ls:/var"] == ["tmp"] and r["ls:/var/tmp"] == [layout["base"].name]  # only the bound tree
     # the checkout: only the package's src dir (and the interpreter's venv, when it lives inside)
     venv = Path(sys.prefix).resolve()
@@ -340,8 +336,8 @@ print(json.dumps(out))
 
 def test_plan_is_an_allow_list():
     """The plan starts from nothing: no bind of "/" or of /etc, /home, /var, /srv, /work as a whole."""
-    readable = isolation._default_readable()
-    plan = isolation._plan(writable=[], hidden=[], tmp_dir=None, socket_dir=None, bundle_dir=None,
+    readable = mountplan._default_readable()
+    plan = mountplan._plan(writable=[], hidden=[], tmp_dir=None, socket_dir=None, bundle_dir=None,
                            readable=readable, tmp_bytes=1 << 20, shm_bytes=1 << 20, devices=["/dev/nvidia0"])
     binds = [op[2] for op in plan.ops if op[0] == "bind"]
     assert "/" not in binds and "/etc" not in binds
@@ -349,7 +345,7 @@ def test_plan_is_an_allow_list():
         assert p not in binds, p
     assert ("devbind", "/dev/nvidia0", "/dev/nvidia0") in plan.ops
     assert plan.ops[-1] == ("remount_ro", "/")
-    argv = isolation._render_bwrap(plan)
+    argv = sandboxargv._render_bwrap(plan)
     assert "--dev-bind" in argv and argv[-2:] == ["--remount-ro", "/"]
     assert ["--ro-bind", "/", "/"] not in [argv[i:i + 3] for i in range(len(argv))]
 
@@ -611,16 +607,16 @@ def test_quota_and_guard(tmp_path):
 
 def test_pick_sandbox_uid_is_unused_and_in_range():
     uid = pick_sandbox_uid(seed=7)
-    assert isolation.SANDBOX_UID_MIN <= uid < isolation.SANDBOX_UID_MIN + isolation.SANDBOX_UID_SPAN
+    assert sandboxwatch.SANDBOX_UID_MIN <= uid < sandboxwatch.SANDBOX_UID_MIN + sandboxwatch.SANDBOX_UID_SPAN
     assert tasks_of_uid(uid) == (0, 0)
     with pytest.raises(ValueError):
-        isolation.kill_uid(0)
+        sandboxwatch.kill_uid(0)
 
 
 def test_an_empty_pythonpath_entry_never_binds_the_whole_host(monkeypatch):
     """``PYTHONPATH=src:`` (a trailing colon) puts the cwd on the interpreter's path, ``/`` for
     the path probe: the sandbox bound the whole host read-only, then found no stdlib in it."""
-    from prism_challenge.evaluator.isolation import _default_readable
+    from prism_challenge.evaluator.mountplan import _default_readable
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src") + os.pathsep)
     readable = _default_readable()

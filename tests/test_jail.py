@@ -15,12 +15,11 @@ from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.jail import (
     MAX_ADDRESS_SPACE,
     Jail,
-    MemoryCgroup,
     child_env,
     default_memory_limit,
     diagnose,
-    host_memory_bytes,
 )
+from prism_challenge.evaluator.memcgroup import MemoryCgroup, host_memory_bytes
 
 
 def test_the_memory_limit_is_never_above_the_hosts_memory():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from prism_challenge.evaluator import jail as jail_mod
+from prism_challenge.evaluator.memcgroup import MemoryCgroup
 from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 
 from helpers import UNIFORM_ARCH, write_bundle
@@ -42,10 +42,10 @@ def test_a_static_refusal_removes_the_torchrun_cgroup(tmp_path: Path, monkeypatc
         path = groups / f"prism-{len(made)}"
         path.mkdir()
         made.append(path)
-        return jail_mod.MemoryCgroup(path, limit)
+        return MemoryCgroup(path, limit)
 
-    monkeypatch.setattr(jail_mod.MemoryCgroup, "create", classmethod(lambda cls, *a, **k: create(*a, **k)))
-    monkeypatch.setattr(jail_mod.MemoryCgroup, "enter", lambda self: None)
+    monkeypatch.setattr(MemoryCgroup, "create", classmethod(lambda cls, *a, **k: create(*a, **k)))
+    monkeypatch.setattr(MemoryCgroup, "enter", lambda self: None)
     bundle = write_bundle(tmp_path / "b", UNIFORM_ARCH, IMPORT_OS_LOOP)
     with pytest.raises(EvalFailure) as err:
         evaluate(EvalOptions(bundle=str(bundle), out_dir=str(tmp_path / "run"), device="cpu", run_gates=True,

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from prism_challenge.evaluator import jail as jail_module
+from prism_challenge.evaluator.jailchild import Finished
 from prism_challenge.evaluator.outputcap import LOG_BYTES, TAIL_BYTES, gap_note
 from prism_challenge.pipeline import EvalOptions, evaluate
 
@@ -46,7 +47,7 @@ def test_a_bundle_printing_300_mb_in_every_child_still_scores_with_bounded_outpu
     shutil.copytree(EXAMPLE, root)
     (root / "architecture.py").write_text((EXAMPLE / "architecture.py").read_text() + FLOOD)
     (root / "training.py").write_text((EXAMPLE / "training.py").read_text() + TRAIN_FLOOD)
-    seen: list[jail_module.Finished] = []
+    seen: list[Finished] = []
     finish = jail_module.Jail.finish
 
     def recording(self, started, **kw):

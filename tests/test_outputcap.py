@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from prism_challenge.evaluator.isolation import Limits
-from prism_challenge.evaluator.jail import Finished, Jail
+from prism_challenge.evaluator.jail import Jail
+from prism_challenge.evaluator.jailchild import Finished
 from prism_challenge.evaluator.audit import AUDIT_EXIT_CODE, REFUSAL_TAG, find_refusal
 from prism_challenge.evaluator.outputcap import (
     LOG_BYTES,

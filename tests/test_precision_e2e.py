@@ -3,7 +3,7 @@
 import pytest
 
 from prism_challenge.pipeline import EvalOptions, evaluate
-from prism_challenge.evaluator import feeder as feeder_mod
+from prism_challenge.evaluator import feedbatch
 
 from helpers import write_bundle
 
@@ -70,7 +70,7 @@ def test_a_bf16_model_passes_every_probe_stream_and_heldout(tmp_path, inside, de
     o = _run(tmp_path, bundle, token_budget=6000, heldout_bytes=20_000, run_gates=True)
     assert o.failure is None, o.failure
     m = o.manifest
-    assert m["stream"]["batches"] > feeder_mod.PROBE_FIRST  # the first batches are always probed
+    assert m["stream"]["batches"] > feedbatch.PROBE_FIRST  # the first batches are always probed
     v = m["verdict"]
     assert v["heldout_error"] is None and v["flags"] == [], (v["heldout_error"], v["flags"])
     assert v["heldout"]["blind_probes"] > 0 and v["final_score"] > 0

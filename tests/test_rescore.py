@@ -392,7 +392,7 @@ class _RecordingJail:
         return name
 
     def run(self, argv, input, timeout_s, writable, warm_next=False):
-        from prism_challenge.evaluator.jail import Finished
+        from prism_challenge.evaluator.jailchild import Finished
 
         child, self.spare = self.spare or self._start(), None
         if warm_next:

@@ -79,7 +79,7 @@ def audit_error(**child) -> dict:
     """An audit section of an audit that could not run (``rescore._reply``'s error for ``child``)."""
     from prism_challenge.audit.rescore import AuditError, _reply
 
-    from prism_challenge.evaluator.jail import Finished
+    from prism_challenge.evaluator.jailchild import Finished
 
     done = Finished(**{"returncode": 1, "stdout": b"", "stderr": b"", "timed_out": False, "failure": None,
                        "refusal": None, **child})

@@ -36,7 +36,7 @@ ANY_CAUSE = ""
 REPORTED = "reported"  # the runner, inside a rank, reported the failure (any stage it names)
 KILLED = "killed"  # the launcher (torchrun, or the single-rank agent) ended on a signal the harness did not send
 TOKENIZER = "tokenizer"  # prism.yaml names a tokenizer the profile does not allow
-DRIFT = "drift"  # the ranks' final states differ in their last bits only (feeder._check_states)
+DRIFT = "drift"  # the ranks' final states differ in their last bits only (feedchecks._check_states)
 ANY_STAGE = "*"
 
 

@@ -32,7 +32,7 @@ from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.manifest import load_manifest
 from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator import isolation
-from prism_challenge.evaluator.isolation import tasks_of_uid
+from prism_challenge.evaluator.sandboxwatch import tasks_of_uid
 from prism_challenge.manifest.run_manifest import MANIFEST_NAME, SCHEMA
 
 pytestmark = pytest.mark.slow

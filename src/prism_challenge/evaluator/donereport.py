@@ -17,7 +17,7 @@ from typing import Any
 COUNTS = ("peak_rss_bytes", "peak_device_bytes", "peak_reserved_bytes", "parameter_count")
 """Fields that are a count (an integer >= 0; a JSON ``true`` is none)."""
 MAPPINGS = ("phases", "state_tensors", "state_moments")
-"""Fields that are a JSON object (checked where they are read: ``feeder._drift``, the phases file)."""
+"""Fields that are a JSON object (checked where they are read: ``feedchecks._drift``, the phases file)."""
 DEVICE_NAME_MAX = 200
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

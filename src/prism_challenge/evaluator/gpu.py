@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from prism_challenge.evaluator.jail import Finished, Jail
+    from prism_challenge.evaluator.jail import Jail
+    from prism_challenge.evaluator.jailchild import Finished
 
 CHECK_TIMEOUT_S = 180.0
 """The CUDA check's deadline: interpreter, ``import torch`` and a context on up to 8 GPUs."""

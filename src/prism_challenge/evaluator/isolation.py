@@ -55,10 +55,8 @@ What contains what (measured on Linux 6.x as root; see ``tests/test_isolation.py
 """
 
 from __future__ import annotations
-
 import functools
 import glob
-import json
 import os
 import resource
 import shutil
@@ -68,24 +66,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prism_challenge import scratch
-from prism_challenge.evaluator import sabotage, seccompfilter
+from prism_challenge.evaluator import sabotage
+from prism_challenge.evaluator.mountplan import PROBE_TIMEOUT_S, _default_readable, _plan, _traversable, _under
+from prism_challenge.evaluator.sandboxargv import BACKENDS, _prefix
+from prism_challenge.evaluator.sandboxerror import IsolationError
+from prism_challenge.evaluator.sandboxwatch import QuotaExceeded, check_quota, kill_uid, pick_sandbox_uid, tasks_of_uid
 
 MODES = ("strict", "none")
-BACKENDS = ("bwrap", "unshare")
 ENV_BACKEND = "PRISM_ISOLATION_BACKEND"  # force "bwrap" or "unshare" (tests, debugging)
-ENV_CWD = "PRISM_SANDBOX_CWD"  # the caller's working directory, from outside bwrap to its init
-
-SANDBOX_UID_MIN = 200_000  # dedicated uids for sandboxes (no passwd entry needed)
-SANDBOX_UID_SPAN = 50_000
 DEFAULT_TMP_BYTES = 512 << 20  # private /tmp tmpfs
 DEFAULT_SHM_BYTES = 1 << 30  # private /dev/shm tmpfs
-HIDDEN_TMPFS_BYTES = 4096
-PROBE_TIMEOUT_S = 20.0
 
 __all__ = [
     "BACKENDS",
@@ -93,25 +88,11 @@ __all__ = [
     "Guard",
     "IsolationError",
     "Limits",
-    "QuotaExceeded",
-    "artifacts_usage",
     "available_backend",
-    "check_quota",
-    "kill_uid",
     "limits_preexec",
-    "pick_sandbox_uid",
     "probe",
     "sandbox_prefix",
-    "tasks_of_uid",
 ]
-
-
-class IsolationError(RuntimeError):
-    """Strict isolation was requested but cannot be provided (no working backend, bad paths)."""
-
-
-class QuotaExceeded(RuntimeError):
-    """The artifacts directory (plus a host tmp dir) holds more than its quota."""
 
 
 @dataclass(frozen=True)
@@ -156,348 +137,8 @@ class Limits:
         return out
 
 
-# The unshare backend's init: an ordinary module file of this package, run by path.
-_HELPER = Path(__file__).with_name("sandbox_init.py")
-
-
-def _helper_argv(spec: dict[str, Any]) -> list[str]:
-    return [sys.executable, "-I", "-S", str(_HELPER), json.dumps(spec, separators=(",", ":")), "--"]
-
-
-# -------------------------------------------------------------------------------------------
-# Identity
-# -------------------------------------------------------------------------------------------
-def _uids_in_use() -> set[int]:
-    used: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                used.add(os.stat(entry.path).st_uid)
-            except OSError:
-                pass
-    return used
-
-
-def pick_sandbox_uid(seed: int | None = None) -> int:
-    """A dedicated unprivileged uid for one sandbox: no running process has it now.
-
-    Uids ``SANDBOX_UID_MIN .. SANDBOX_UID_MIN + SANDBOX_UID_SPAN - 1`` (200000..249999), starting
-    at ``seed`` (default: this process's pid) modulo the span, so concurrent harnesses rarely
-    collide; no passwd entry is needed. The gid is the same number.
-
-    Raises:
-        IsolationError: every uid of the range is in use.
-    """
-    used = _uids_in_use()
-    start = (os.getpid() if seed is None else seed) % SANDBOX_UID_SPAN
-    for k in range(SANDBOX_UID_SPAN):
-        uid = SANDBOX_UID_MIN + (start + k) % SANDBOX_UID_SPAN
-        if uid not in used:
-            return uid
-    raise IsolationError("no free sandbox uid in 200000..249999")
-
-
-# -------------------------------------------------------------------------------------------
-# The mount plan (one plan, rendered for bwrap or for the helper)
-# -------------------------------------------------------------------------------------------
-# The view is an allow-list: an empty root (tmpfs) with read-only binds of the system trees,
-# a few files of /etc, the device and topology trees of /sys, the interpreter and sys.path,
-# and the run's own directories. Everything else of the host is absent (ENOENT).
-SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # a dir or a merged-usr link
-# /etc, file by file: what glibc, the dynamic linker and Python read. /etc as a whole would also
-# show host configuration that can hold secrets (pip.conf, npmrc, gitconfig, ssh and database
-# configs, machine-id), and hiding a deny-list (shadow, gshadow, ...) misses whatever is added
-# later. passwd and group hold no secrets (the hashes are in shadow) and let getpwuid/getgrgid work.
-ETC_FILES = (
-    "ld.so.cache",  # the dynamic linker finds libraries in /usr/lib/<triplet> (libstdc++, libcuda)
-    "passwd", "group", "nsswitch.conf",  # getpwuid/getgrgid and how lookups are done
-    "hosts", "host.conf", "gai.conf",  # "localhost" for torchrun's rendezvous and gloo
-    "localtime",  # time.localtime (a link into /usr/share/zoneinfo: its target is bound)
-    "alternatives",  # symlinks only: /usr/bin/cc, c++, awk... resolve through it
-)  # not nccl.conf: NCCL's settings are the jail's environment alone (evaluator/envpolicy.py)
-# sysfs, the same subset flatpak exposes: CPU and NUMA topology (sysconf, OpenMP), PCI and GPU
-# topology (CUDA, NVML, NCCL). Kernel state, no host files; read-only.
-SYS_TREES = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
-DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")  # the unshare backend's /dev
-ROOT_TMPFS_BYTES = 1 << 20  # the unshare backend's empty root (directories and mount points only)
-
-
-@dataclass
-class _Plan:
-    """Mount operations, in order, on an empty root:
-
-    ``("tmpfs", path, size, mode)``, ``("dir", path, mode)``, ``("bind", src, dst, ro)``,
-    ``("symlink", target, path)``, ``("dev", path)`` (a minimal /dev), ``("devbind", src, dst)``
-    (a device node, read-write), ``("proc", path)`` (a new /proc), ``("remount_ro", path)``.
-    """
-
-    ops: list[tuple] = field(default_factory=list)
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _traversable(path: str, uid: int, gid: int) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    if st.st_uid == uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == gid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-@functools.lru_cache(maxsize=8)
-def _interpreter_path(executable: str, pythonpath: str | None, pythonhome: str | None) -> tuple[str, ...]:
-    """``sys.path`` of ``executable`` as it starts (what the sandboxed ranks get): site-packages,
-    ``.pth`` entries (the editable src dir), ``$PYTHONPATH``. Not what a host program (pytest,
-    say) inserted into its own ``sys.path`` at run time."""
-    try:
-        res = subprocess.run([executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
-                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, cwd="/",
-                             stdin=subprocess.DEVNULL)
-        return tuple(json.loads(res.stdout.strip().splitlines()[-1]))
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return tuple(sys.path)
-
-
-def _default_readable() -> list[str]:
-    """Paths the sandboxed interpreter needs: its prefixes, the executable, its ``sys.path``,
-    the package's own source tree, ``$LD_LIBRARY_PATH``."""
-    out = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    out += [p for p in _interpreter_path(sys.executable, os.environ.get("PYTHONPATH"), os.environ.get("PYTHONHOME"))
-            if p and os.path.isabs(p)]
-    import prism_challenge
-
-    out.append(str(Path(prism_challenge.__file__).resolve().parents[1]))
-    from prism_challenge.evaluator.envpolicy import ld_library_dirs, libcuda_dirs
-
-    out += ld_library_dirs() + libcuda_dirs()
-    seen, uniq = set(), []
-    for p in out:
-        rp = os.path.realpath(p)
-        if rp == os.sep:  # an empty $PYTHONPATH entry reads as the cwd, "/" for the probe: never the whole host
-            continue
-        if os.path.exists(rp) and rp not in seen:
-            seen.add(rp)
-            uniq.append(rp)
-    return uniq
-
-
-def _system_view() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """([(link, target)] of top-level merged-usr links, [(src, dst)] read-only binds) of the system."""
-    links: list[tuple[str, str]] = []
-    binds: list[tuple[str, str]] = []
-    for p in SYSTEM_TREES:
-        if os.path.islink(p):
-            links.append((p, os.readlink(p)))
-        elif os.path.isdir(p):
-            binds.append((p, p))
-    py_etc = f"/etc/python{sys.version_info[0]}.{sys.version_info[1]}"  # Debian's sitecustomize
-    for name in ETC_FILES + ((os.path.basename(py_etc),) if os.path.isdir(py_etc) else ()):
-        dst = os.path.join("/etc", name)
-        if os.path.exists(dst):
-            binds.append((os.path.realpath(dst), dst))  # a link's target, at the link's place
-    binds += [(p, p) for p in SYS_TREES if os.path.isdir(p) and not os.path.islink(p)]
-    return links, binds
-
-
-def _plan(
-    *,
-    writable: Sequence[str],
-    hidden: Sequence[str],
-    tmp_dir: str | None,
-    socket_dir: str | None,
-    bundle_dir: str | None,
-    readable: Sequence[str],
-    tmp_bytes: int,
-    shm_bytes: int,
-    devices: Sequence[str] = (),
-) -> _Plan:
-    needed: list[tuple[str, bool]] = [(p, True) for p in readable]
-    if bundle_dir:
-        needed.append((bundle_dir, True))
-    if socket_dir:
-        needed.append((socket_dir, True))
-    needed += [(p, False) for p in writable]
-    for h in hidden:
-        for p, ro in needed:
-            if ro is False or p in (bundle_dir, socket_dir):
-                if _under(p, h):
-                    raise IsolationError(f"hidden path {h} contains {p}, which the sandbox needs")
-
-    def shown(p: str) -> bool:
-        return not any(_under(p, h) for h in hidden)
-
-    plan = _Plan()
-    mounts: list[tuple[str, str | None]] = []  # (dst, src of a bind, else None), in mount order
-    dirs: set[str] = {"/"}
-
-    def parents(dst: str) -> None:
-        """Create the directories above ``dst`` (mode 0755) where the host tree is not bound."""
-        parts = Path(dst).parts
-        for i in range(2, len(parts)):
-            anc = str(Path(*parts[:i]))
-            if anc in dirs:
-                continue
-            holder = max((m for m in mounts if _under(anc, m[0])), key=lambda m: len(m[0]), default=None)
-            if holder is not None and holder[1] == holder[0]:
-                return  # inside a bind of the same host path: the directories exist
-            plan.ops.append(("dir", anc, 0o755))
-            dirs.add(anc)
-
-    def mount(op: tuple, dst: str, src: str | None = None) -> None:
-        parents(dst)
-        plan.ops.append(op)
-        mounts.append((dst, src))
-        dirs.add(dst)
-
-    links, system = _system_view()
-    for link, target in links:
-        plan.ops.append(("symlink", target, link))
-        dirs.add(link)
-    for src, dst in system:
-        if shown(dst) and shown(src):
-            mount(("bind", src, dst, True), dst, dst if src == dst else src)
-    mount(("dev", "/dev"), "/dev")
-    for dev in devices:
-        mount(("devbind", dev, dev), dev, dev)
-    mount(("tmpfs", "/dev/shm", shm_bytes, 0o1777), "/dev/shm")
-    mount(("proc", "/proc"), "/proc")
-    if tmp_dir is not None:
-        mount(("bind", tmp_dir, "/tmp", False), "/tmp", tmp_dir)
-    else:
-        mount(("tmpfs", "/tmp", tmp_bytes, 0o1777), "/tmp")
-
-    binds = [(p, ro) for p, ro in needed if shown(p)]
-    binds.sort(key=lambda b: (len(Path(b[0]).parts), b[0]))
-    sys_dsts = [dst for src, dst in system if src == dst]
-    # a read-only bind inside another read-only bind (or a system tree) shows the same files: drop it;
-    # the bundle and the socket dir always get their own bind (the view must not depend on the rest)
-    binds = [(p, ro) for p, ro in binds
-             if not (ro and p not in (bundle_dir, socket_dir)
-                     and (any(_under(p, d) for d in sys_dsts)
-                          or any(q != p and qro and _under(p, q) for q, qro in binds)))]
-    seen: set[str] = set()
-    for p, ro in binds:
-        if p not in seen:
-            seen.add(p)
-            mount(("bind", p, p, ro), p, p)
-
-    for h in hidden:  # a hidden path inside a bound tree: covered
-        if not os.path.lexists(h):
-            continue
-        holder = max((m for m in mounts if _under(h, m[0])), key=lambda m: len(m[0]), default=None)
-        if holder is None or holder[1] != holder[0]:
-            continue  # on the empty root, a tmpfs, or a bind of another host path: not there
-        if os.path.isdir(h):
-            plan.ops.append(("tmpfs", h, HIDDEN_TMPFS_BYTES, 0o000))
-        else:
-            plan.ops.append(("bind", _blank_file(), h, True))
-    plan.ops.append(("remount_ro", "/"))
-    return plan
-
-
-def _blank_file() -> str:
-    """An empty file of mode 000 owned by this uid, bound over hidden files (reads fail): in
-    the current owner folder (:func:`prism_challenge.scratch.root`), which goes with the run."""
-    try:
-        f = scratch.root() / ".blank"
-        if not f.is_file() or f.is_symlink() or f.stat().st_size:
-            f.unlink(missing_ok=True)
-            f.touch()
-        os.chmod(f, 0)
-    except OSError as exc:
-        raise IsolationError(f"cannot prepare the blank file for hidden paths: {exc}") from None
-    return str(f)
-
-
-def _render_bwrap(plan: _Plan) -> list[str]:
-    out: list[str] = []
-    for op in plan.ops:
-        kind = op[0]
-        if kind == "tmpfs":
-            out += ["--size", str(op[2]), "--perms", f"{op[3]:04o}", "--tmpfs", op[1]]
-        elif kind == "dir":
-            out += ["--perms", f"{op[2]:04o}", "--dir", op[1]]
-        elif kind == "bind":
-            out += ["--ro-bind" if op[3] else "--bind", op[1], op[2]]
-        elif kind == "symlink":
-            out += ["--symlink", op[1], op[2]]
-        elif kind == "dev":
-            out += ["--dev", op[1]]
-        elif kind == "devbind":
-            out += ["--dev-bind", op[1], op[2]]
-        elif kind == "proc":
-            out += ["--proc", op[1]]
-        elif kind == "remount_ro":
-            out += ["--remount-ro", op[1]]
-        else:
-            raise IsolationError(f"unknown mount op {kind!r}")
-    return out
-
-
 def _gpu_devices() -> list[str]:
     return sorted(p for p in glob.glob("/dev/nvidia*") + glob.glob("/dev/dri") if os.path.exists(p))
-
-
-def _prefix(
-    backend: str,
-    plan: _Plan,
-    *,
-    uid: int | None,
-    gid: int | None,
-    limits: Limits | None,
-) -> list[str]:
-    root = os.geteuid() == 0
-    spec: dict[str, Any] = {"setsid": True, "rlimits": limits.rlimits() if limits else []}
-    try:  # loaded last, right before exec, by the inner init
-        spec["seccomp"] = seccompfilter.spec_entry()
-    except seccompfilter.SeccompUnavailable as exc:
-        raise IsolationError(str(exc)) from None
-    env = {"TMPDIR": "/tmp"}
-    if uid is not None:
-        spec["uid"], spec["gid"] = uid, (uid if gid is None else gid)
-        env.update({"HOME": "/tmp", "USER": "prism", "LOGNAME": "prism"})
-    spec["env"] = env
-    if backend == "bwrap":
-        bwrap = shutil.which("bwrap")
-        if bwrap is None:
-            raise IsolationError("bwrap is not installed")
-        argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
-                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-        if root:
-            argv += ["--cap-drop", "ALL"]
-            if uid is not None:
-                argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
-                spec["capbset"] = True
-        argv += _render_bwrap(plan)  # bwrap starts from an empty root (a tmpfs) of its own
-        argv.append("--")
-        spec["cwd_env"] = ENV_CWD
-        return _helper_argv({"pass_cwd": ENV_CWD}) + argv + _helper_argv(spec)
-    if backend == "unshare":
-        unshare = shutil.which("unshare")
-        if unshare is None:
-            raise IsolationError("unshare is not installed")
-        outer = _helper_argv({"pdeathsig": os.getpid()})
-        argv = [unshare]
-        if not root:
-            argv += ["--user", "--map-root-user"]
-        argv += ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                 "--propagation", "private", "--"]
-        inner = dict(spec)
-        inner["mounts"] = plan.ops  # built on an empty tmpfs, then pivot_root into it
-        inner["root_bytes"] = ROOT_TMPFS_BYTES
-        inner["dev_nodes"] = list(DEV_NODES)
-        inner["lo"] = True
-        inner["init"] = True
-        inner["capbset"] = True
-        inner["dropcaps"] = True
-        return outer + argv + _helper_argv(inner)
-    raise IsolationError(f"unknown isolation backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
 def _chown_for(uid: int, gid: int, writable: Iterable[str], tmp_dir: str | None, socket_dir: str | None) -> None:
@@ -689,131 +330,6 @@ def limits_preexec(
                 os._exit(137)
 
     return _apply
-
-
-# -------------------------------------------------------------------------------------------
-# Quota and the parent's guard
-# -------------------------------------------------------------------------------------------
-def artifacts_usage(path: Path | str) -> int:
-    """Disk space used below ``path``, in bytes: allocated blocks (``st_blocks * 512``).
-
-    The same figure as ``du -s -B1 PATH``: directories included, each inode counted once (hard
-    links), symlinks not followed (their own blocks count), sparse holes not counted. A missing
-    path uses 0 bytes; entries that vanish during the walk are skipped.
-    """
-    return _usage(Path(path))[0]
-
-
-def _usage(path: Path) -> tuple[int, int]:
-    """(bytes, entries) below ``path``."""
-    seen: set[tuple[int, int]] = set()
-    total = entries = 0
-    stack = [os.fspath(path)]
-    first = True
-    while stack:
-        p = stack.pop()
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue
-        if not first:
-            entries += 1
-        first = False
-        key = (st.st_dev, st.st_ino)
-        if key not in seen:
-            seen.add(key)
-            total += st.st_blocks * 512
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                with os.scandir(p) as it:
-                    stack.extend(e.path for e in it)
-            except OSError:
-                continue
-    return total, entries
-
-
-def check_quota(paths: Iterable[Path | str], quota_bytes: int | None, max_entries: int | None = None) -> int:
-    """Raise if ``paths`` together use more than ``quota_bytes`` (or hold more entries).
-
-    Returns:
-        The bytes used (see :func:`artifacts_usage`).
-
-    Raises:
-        QuotaExceeded: naming the usage and the quota.
-    """
-    total = entries = 0
-    for p in paths:
-        b, n = _usage(Path(p))
-        total += b
-        entries += n
-    if quota_bytes is not None and total > quota_bytes:
-        raise QuotaExceeded(f"the artifacts directory uses {total} bytes, over its quota of {quota_bytes} bytes")
-    if max_entries is not None and entries > max_entries:
-        raise QuotaExceeded(f"the artifacts directory holds {entries} files, over its limit of {max_entries}")
-    return total
-
-
-def _proc_uid(pid: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _threads(pid: str) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Threads:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def tasks_of_uid(uid: int) -> tuple[int, int]:
-    """(processes, tasks) whose owner is ``uid``; tasks count threads (what ``RLIMIT_NPROC`` counts)."""
-    procs = tasks = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and _proc_uid(entry.name) == uid:
-            procs += 1
-            tasks += _threads(entry.name)
-    return procs, tasks
-
-
-def _state(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def kill_uid(uid: int, rounds: int = 100) -> int:
-    """SIGKILL every process owned by ``uid`` until none is alive (root only); returns the kills.
-
-    Zombies (already dead, waiting for their parent outside the sandbox to reap them) are not
-    waited for. Only meaningful for a dedicated sandbox uid (:func:`pick_sandbox_uid`).
-
-    Raises:
-        ValueError: ``uid`` is 0.
-    """
-    if uid == 0:
-        raise ValueError("kill_uid(0) would kill the host")
-    killed = 0
-    for _ in range(rounds):
-        pids = [e.name for e in os.scandir("/proc")
-                if e.name.isdigit() and _proc_uid(e.name) == uid and _state(e.name) not in ("Z", "X", "?")]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.02)
-    return killed
 
 
 class Guard:

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,13 +44,15 @@ from prism_challenge.evaluator.isolation import (
     Limits,
     available_backend,
     limits_preexec,
-    pick_sandbox_uid,
     sandbox_prefix,
 )
 from prism_challenge.evaluator import sabotage
 from prism_challenge.evaluator.envpolicy import sandbox_env
+from prism_challenge.evaluator.jailchild import Finished, Started, _folder_ids, _spare_key, kill_group, stream_input
 from prism_challenge.evaluator.launcher import compute_env
-from prism_challenge.evaluator.outputcap import Captured, collect, drains, feed, refusal_watch
+from prism_challenge.evaluator.memcgroup import MemoryCgroup, host_memory_bytes
+from prism_challenge.evaluator.outputcap import collect, drains, feed, refusal_watch
+from prism_challenge.evaluator.sandboxwatch import pick_sandbox_uid
 
 MAX_ADDRESS_SPACE = 32 << 30
 """Ceiling of the per-process address-space limit, bytes (torch reserves much address space)."""
@@ -61,8 +62,6 @@ DEFAULT_MAX_FILE_BYTES = 4 << 30
 """Largest file a jailed process may write, bytes (inductor's precompiled headers are large)."""
 DEFAULT_MAX_OPEN_FILES = 4096
 """Open files per jailed process."""
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 MEMORY_SIGNS = ("memoryerror", "can't allocate memory", "cannot allocate memory", "std::bad_alloc",
                 "out of memory")
@@ -77,18 +76,6 @@ MEMORY_UNBOUNDED_WARNING = (
 """The manifest's ``isolation.memory_warning`` (and the console's) when :attr:`Jail.memory_unbounded`."""
 MEMORY_HELD_BY = ("none", "rlimit", "cgroup")
 """What holds a jailed child's memory, weakest first (the manifest's ``isolation.memory_limit_by``)."""
-
-
-def host_memory_bytes() -> int | None:
-    """``MemTotal`` of ``/proc/meminfo`` in bytes, or ``None`` when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def default_memory_limit() -> int:
@@ -123,104 +110,6 @@ def child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, st
     env.update(compute_env(threads))
     env.update(extra or {})
     return env
-
-
-class MemoryCgroup:
-    """A cgroup v2 with ``memory.max`` for one jailed process tree, where the host allows it.
-
-    :meth:`create` returns ``None`` unless ``/sys/fs/cgroup`` is a cgroup2 mount whose
-    ``memory`` controller this process may use and a child group can be made; the jail then
-    falls back to ``RLIMIT_AS``. The child enters the group in ``preexec_fn`` (before ``exec``),
-    so the whole tree is charged from its first allocation.
-    """
-
-    def __init__(self, path: Path, limit: int):
-        self.path, self.limit = path, limit
-
-    @classmethod
-    def create(cls, limit: int, root: Path | None = None,
-               proc_cgroup: str = "/proc/self/cgroup") -> MemoryCgroup | None:
-        """A fresh group holding at most ``limit`` bytes, or ``None`` (not available here).
-        ``root``: the cgroup2 mount (default :data:`CGROUP_ROOT`); ``proc_cgroup``: where this
-        process's group is read (``0::/path``) (both stand-ins in tests)."""
-        root = CGROUP_ROOT if root is None else root
-        try:
-            if not (root / "cgroup.controllers").is_file():
-                return None
-            own = Path(open(proc_cgroup).read().strip().split("::", 1)[1].splitlines()[0])
-            parent = root / own.relative_to("/")
-            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-                return None
-            path = parent / f"prism-{os.getpid()}-{time.monotonic_ns()}"
-            path.mkdir()
-            (path / "memory.max").write_text(str(int(limit)))
-            (path / "memory.swap.max").write_text("0") if (path / "memory.swap.max").exists() else None
-            return cls(path, limit)
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def enter(self) -> None:
-        """Move the calling process into the group (called in the child before ``exec``)."""
-        with open(self.path / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
-    def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of the group for memory."""
-        try:
-            events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
-            return int(events.get("oom_kill", 0)) > 0
-        except (OSError, ValueError):
-            return False
-
-    def remove(self) -> None:
-        """Remove the group (after its processes ended)."""
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A jailed child that ended: exit status (negative: the signal), output, and why it failed.
-
-    Attributes:
-        returncode: the exit status, ``-N`` for signal ``N``.
-        stdout, stderr: the last bytes it wrote (:mod:`~prism_challenge.evaluator.outputcap`: at
-            most ``RESULT_BYTES`` and ``TAIL_BYTES``).
-        timed_out: the deadline passed and the group was killed.
-        failure: :func:`diagnose`'s line, or ``None`` for exit status 0.
-        refusal: the audit hook's parsed refusal, when it stopped the child.
-        stdout_dropped, stderr_dropped: the bytes written before the kept ones, not kept.
-    """
-
-    returncode: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool
-    failure: str | None
-    refusal: dict[str, Any] | None
-    stdout_dropped: int = 0
-    stderr_dropped: int = 0
-
-    @property
-    def stderr_note(self) -> str:
-        """:func:`~prism_challenge.evaluator.outputcap.dropped_note` for stderr, or ``""`` when nothing was dropped."""
-        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).note
-
-    def stderr_tail(self, lines: int) -> str:
-        """The last ``lines`` lines of stderr, after a line saying how many bytes were dropped, if any."""
-        return Captured(self.stderr, len(self.stderr) + self.stderr_dropped).text(lines)
-
-
-@dataclass(frozen=True)
-class Started:
-    """A child :meth:`Jail.start` started with pipes: its process, its memory cgroup (if any)
-    and the ``(device, inode)`` of each writable folder it was given (:func:`_folder_ids`)."""
-
-    proc: subprocess.Popen
-    group: MemoryCgroup | None
-    folders: tuple = ()
 
 
 def diagnose(returncode: int | None, output: str, limits: Limits, *, oom: bool = False) -> tuple[str, dict | None]:
@@ -546,67 +435,3 @@ class Jail:
         """Whether a memory limit was asked for (:meth:`Limits.cgroup_bytes`) and nothing holds it:
         no usable cgroup v2 memory controller, and no ``RLIMIT_AS`` (CUDA)."""
         return self.memory_by == "none" and self.limits.cgroup_bytes() is not None
-
-
-def _folder_ids(folders: Sequence[str | os.PathLike[str]]) -> tuple:
-    """``(device, inode)`` per folder (``None`` for one that is missing): the sandbox binds the
-    folder a path names when the child starts, so a spare whose path now names another folder
-    (renamed aside and made again) would write to the old one: :meth:`Jail.run` drops it."""
-    out = []
-    for f in folders:
-        try:
-            st = os.stat(f)
-            out.append((st.st_dev, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
-
-
-def _spare_key(argv: Sequence[str], writable: Sequence[str | os.PathLike[str]], env: dict[str, str] | None,
-               cwd: str | os.PathLike[str] | None) -> tuple:
-    return tuple(argv), tuple(map(str, writable)), tuple(sorted((env or {}).items())), None if cwd is None else str(cwd)
-
-
-class _Streamer(threading.Thread):
-    """Writes an iterable's blocks to a child's stdin, then closes it (:func:`stream_input`)."""
-
-    def __init__(self, pipe: Any, blocks: Iterable[bytes]):
-        super().__init__(name="prism-jail-stdin", daemon=True)
-        self.pipe, self.blocks, self.error = pipe, blocks, None
-
-    def run(self) -> None:
-        try:
-            for block in self.blocks:
-                self.pipe.write(block)
-        except (BrokenPipeError, ConnectionResetError, ValueError):
-            pass  # the child stopped reading (it ended, or was killed): its outcome says why
-        except OSError as exc:
-            self.error = exc
-        finally:
-            try:
-                self.pipe.close()
-            except OSError:
-                pass
-
-
-def stream_input(proc: subprocess.Popen, blocks: Iterable[bytes]) -> _Streamer:
-    """Start writing ``blocks`` to ``proc``'s stdin on a thread (taken from ``proc``: nothing
-    else writes to it); the thread's ``error`` holds an ``OSError`` the iterable raised."""
-    pipe, proc.stdin = proc.stdin, None
-    streamer = _Streamer(pipe, blocks)
-    streamer.start()
-    return streamer
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's process group (its session: the sandbox's init takes its pid
-    namespace with it), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
-
-

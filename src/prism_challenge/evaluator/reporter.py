@@ -23,7 +23,7 @@ Why the loss is still recorded before the loop trains on the batch (no lookahead
   scoring kernels, then the copy, then the loop's kernels, in that order. The value copied is
   the value of the weights before any training on batch ``k``.
 * **On the trusted side.** The feeder serves batch ``k + 1`` only after batch ``k``'s record (and
-  an audited batch's whole snapshot) arrived (:meth:`~prism_challenge.evaluator.feeder.Feeder._on_next`):
+  an audited batch's whole snapshot) arrived (:meth:`~prism_challenge.evaluator.feedbatch.BatchServer._on_next`):
   no rank ever holds two batches whose records are missing, whatever the rank's threads do.
 * **The audit.** The copy of the weights is taken before the scoring forward; the trusted side
   re-scores audited batches from it and compares with their records, as before.

@@ -401,7 +401,7 @@ def run(sock: socket.socket, rank: int, local_rank: int, world_size: int) -> int
             state = cpu_state(model)
             done["state_sha256"], each = state_digests(state)
             if world_size > 1 and tensors_header_bytes(each) <= TENSOR_DIGESTS_MAX_BYTES:
-                done["state_tensors"] = each  # names the tensors ranks disagree on (feeder._check_states)
+                done["state_tensors"] = each  # names the tensors ranks disagree on (feedchecks._check_states)
                 done["state_moments"] = state_moments(state)  # tells drift in the last bits from a real split
             if rank == 0:  # the trusted side keeps rank 0's scored model for the held-out evaluation
                 for header, payload in frames(state):
