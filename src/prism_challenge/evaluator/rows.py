@@ -36,8 +36,9 @@ class Cut:
 def prefetch(chunks: Iterator[TokenChunk], depth: int = 8) -> Iterator[TokenChunk]:
     """Pull ``chunks`` on a background thread, up to ``depth`` ahead (trusted side only).
 
-    Tokenization then overlaps the launch of torchrun and the model's work. An exception in the
-    source is re-raised in the consumer.
+    Tokenization then overlaps the ranks' own work (the feeder starts it once the gates passed,
+    while the ranks import the bundle and build the model). An exception in the source is
+    re-raised in the consumer.
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = object()
