@@ -53,6 +53,18 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
 Name resolution is static (:mod:`prism_challenge.gates.astindex`); what it cannot see (objects
 passed through calls to unknown functions, containers mutated by method calls) is left to the
 runtime sandbox.
+
+Where it lives: this module holds :class:`Checker` (the driver and the helpers every check uses)
+and :func:`check_modules`; the tables named above (``:data:``) are in
+:mod:`prism_challenge.gates.policy`, :func:`module_rule` and :func:`origin_rule` in
+:mod:`prism_challenge.gates.modulerule`, :func:`artifacts_path` in
+:mod:`prism_challenge.gates.ctxpath`, and the checks are mixins, one
+module per kind of node: :mod:`~prism_challenge.gates.importcheck`,
+:mod:`~prism_challenge.gates.namecheck`, :mod:`~prism_challenge.gates.classcheck`,
+:mod:`~prism_challenge.gates.attrcheck`, :mod:`~prism_challenge.gates.valuecheck`,
+:mod:`~prism_challenge.gates.callcheck` (with :mod:`~prism_challenge.gates.ctxpath` for the
+artifacts path), beside the allow-list, binding and set-order mixins. Parsing a file is
+:mod:`prism_challenge.gates.parsing`.
 """
 
 from __future__ import annotations
