@@ -24,7 +24,7 @@ from prism_challenge.gates.allowlist import (
     load_allowlist,
     parse_allowlist,
 )
-from prism_challenge.gates.sandbox import module_rule
+from prism_challenge.gates.modulerule import module_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "adversarial"))
 from gatekit import arch, line_of, write_bundle  # noqa: E402

@@ -11,7 +11,8 @@ import pytest
 from prism_challenge.cli import main
 from prism_challenge.gates import run_gates
 from prism_challenge.gates.complexity import MAX_DEPTH, TOO_COMPLEX, deepest
-from prism_challenge.gates.sandbox import Checker, parse_source
+from prism_challenge.gates.parsing import parse_source
+from prism_challenge.gates.sandbox import Checker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "adversarial"))
 from gatekit import arch, line_of, write_bundle  # noqa: E402

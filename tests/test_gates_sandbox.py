@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from prism_challenge.gates import run_gates
-from prism_challenge.gates.astindex import BundleIndex, build_module, lookup
-from prism_challenge.gates.sandbox import check_modules, module_rule, namespace_rule, origin_rule, parse_source
+from prism_challenge.gates.astindex import BundleIndex
+from prism_challenge.gates.modulerule import module_rule, namespace_rule, origin_rule
+from prism_challenge.gates.parsing import parse_source
+from prism_challenge.gates.sandbox import check_modules
+from prism_challenge.gates.scopebuild import build_module
+from prism_challenge.gates.scopes import lookup
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_TRAINING = (REPO / "examples" / "tiny-1m" / "training.py").read_text(encoding="utf-8")

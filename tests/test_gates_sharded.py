@@ -8,9 +8,10 @@ import textwrap
 import pytest
 
 from prism_challenge.gates import run_gates
-from prism_challenge.gates.astindex import BundleIndex, build_module
+from prism_challenge.gates.astindex import BundleIndex
 from prism_challenge.gates.rules import RULES
 from prism_challenge.gates.sandbox import check_modules
+from prism_challenge.gates.scopebuild import build_module
 
 SPELLINGS = {
     "fsdp1 class": "from torch.distributed.fsdp import FullyShardedDataParallel\nm = FullyShardedDataParallel(model)",

@@ -2,7 +2,7 @@
 :class:`prism_challenge.gates.sandbox.Checker`).
 
 Paths on the allowed modules (``torch.ops``) are judged whole by
-:func:`prism_challenge.gates.sandbox.module_rule`. Here: an attribute name used on any other
+:func:`prism_challenge.gates.modulerule.module_rule`. Here: an attribute name used on any other
 object (``x.view``, ``self.weight``, ``getattr(m, "numpy")``, ``"{0.numpy}".format(t)``, a
 ``match`` keyword pattern) must be on the allow-list (:func:`~prism_challenge.gates.allowlist.
 is_allowed_attr`) or defined by the bundle itself (:func:`~prism_challenge.gates.owned.
@@ -16,9 +16,10 @@ import ast
 import re
 
 from prism_challenge.gates.allowlist import ALLOWLIST_FILE, NOT_ALLOWLISTED, is_allowed_attr
-from prism_challenge.gates.astindex import BundleIndex, ModuleInfo
+from prism_challenge.gates.astindex import BundleIndex
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.owned import defined_names
+from prism_challenge.gates.scopes import ModuleInfo
 
 _FORMAT_FIELD = re.compile(r"\{([^{}]*)\}")
 _FIELD_DOT = re.compile(r"\.\s*([A-Za-z_]\w*)")

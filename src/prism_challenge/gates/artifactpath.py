@@ -1,7 +1,7 @@
 """Numbers in a checkpoint name under ``ctx.artifacts_dir`` (``prism:torch-io``).
 
 ``torch.save``/``torch.load`` are admitted only on a path the gate can prove lies inside
-``ctx.artifacts_dir`` (:func:`prism_challenge.gates.sandbox.artifacts_path`): the directory,
+``ctx.artifacts_dir`` (:func:`prism_challenge.gates.ctxpath.artifacts_path`): the directory,
 then string literals and, from this module, **integers**. An integer renders as ``-?[0-9]+``:
 it holds no ``/`` and no ``.``, so it cannot climb out of the folder or make a ``..`` with the
 literals around it. What the gate accepts as an integer (nothing else: a ``str(x)`` or a bare
@@ -11,7 +11,7 @@ class may define to return ``"/../.."``):
 * an f-string field with an integer format spec, ``{step:06d}``, ``{step:d}``, ``{step:>8d}``
   (no ``!s``/``!r`` conversion): ``format(x, "06d")`` raises ``ValueError`` for anything but an
   ``int`` (or ``bool``, or a 0-dim integer tensor, which formats its ``int``); a bundle class
-  may not define ``__format__`` (:data:`~prism_challenge.gates.sandbox.PROTOCOL_DUNDERS`), and an
+  may not define ``__format__`` (:data:`~prism_challenge.gates.policy.PROTOCOL_DUNDERS`), and an
   ``int`` subclass formats with ``int.__format__``;
 * ``int(x)``, as a field (``{int(x)}``) or in ``str(int(x))``: ``int()`` returns an exact ``int``
   whatever ``__int__``/``__index__`` return;
@@ -30,7 +30,7 @@ import ast
 import re
 from typing import Protocol
 
-from prism_challenge.gates.astindex import lookup
+from prism_challenge.gates.scopes import lookup
 
 INT_SPEC = re.compile(r"[<>=^]?[+\- ]?0?[0-9]{0,3}[_,]?d")
 """Format specs of an integer in decimal: optional align, sign, zero-padding, width, grouping, ``d``."""

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import ast
 
-from prism_challenge.gates.astindex import BundleIndex, ModuleInfo
+from prism_challenge.gates.astindex import BundleIndex
+from prism_challenge.gates.ctxpath import may_call
 from prism_challenge.gates.findings import Finding
-from prism_challenge.gates.sandbox import TORCH_SAVES, may_call
+from prism_challenge.gates.policy import TORCH_SAVES
+from prism_challenge.gates.scopes import ModuleInfo
 
 MAX_PROCS = 8
 """Most processes (GPUs) one run may ask for; always a single node."""

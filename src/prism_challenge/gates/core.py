@@ -26,14 +26,17 @@ from prism_challenge.intake.refusal import IntakeLimits
 from prism_challenge.intake.spec import Entrypoint, read_spec
 from prism_challenge.intake.tree import hash_tree
 from prism_challenge.intake.frozen import freeze
-from prism_challenge.gates.astindex import BundleIndex, ModuleInfo, build_module, module_name
+from prism_challenge.gates.astindex import BundleIndex
 from prism_challenge.gates.complexity import deepest, guarded
 from prism_challenge.gates.contract import check_contract, launch_findings
 from prism_challenge.gates.cudadeterminism import cuda_determinism_findings, is_cuda
 from prism_challenge.gates.findings import Finding, GateReport
 from prism_challenge.gates.ownmodules import is_own_module, with_not_a_package
+from prism_challenge.gates.parsing import defines_symbol, parse_source
 from prism_challenge.gates.rules import CONTRACT_RULES
-from prism_challenge.gates.sandbox import check_modules, defines_symbol, parse_source
+from prism_challenge.gates.sandbox import check_modules
+from prism_challenge.gates.scopebuild import build_module
+from prism_challenge.gates.scopes import ModuleInfo, module_name
 
 DEFAULT_MAX_PARAMETERS = 150_000_000
 _FALLBACK_VOCAB = {"gpt2": 50257, "bytes": 257}

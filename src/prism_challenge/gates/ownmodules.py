@@ -13,8 +13,9 @@ from __future__ import annotations
 import ast
 from collections.abc import Collection, Iterable
 
-from prism_challenge.gates.astindex import BundleIndex, absolute_module
+from prism_challenge.gates.astindex import BundleIndex
 from prism_challenge.gates.findings import Finding
+from prism_challenge.gates.scopes import absolute_module
 
 RULE = "prism:not-a-package"
 

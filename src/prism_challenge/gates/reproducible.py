@@ -37,7 +37,7 @@ from __future__ import annotations
 import ast
 import builtins
 
-from prism_challenge.gates.astindex import lookup
+from prism_challenge.gates.scopes import lookup
 
 SET_ORDER = "prism:set-order"
 WALL_CLOCK = "prism:wall-clock"
