@@ -16,7 +16,7 @@ holds for the rest of the process, even where the static gate missed a path. It 
 * opening or listing a path for reading outside the interpreter's install (its prefixes,
   ``sys.path``, this package), the bundle and the writable directories;
 * from a bundle frame: importing a module the gate's import allow-list refuses
-  (:func:`prism_challenge.gates.sandbox.module_rule`), and the code-generation, frame and heap
+  (:func:`prism_challenge.gates.modulerule.module_rule`), and the code-generation, frame and heap
   introspection events (``compile``, ``exec``, ``marshal.loads``, ``code.__new__``,
   ``sys._getframe``, ``gc.get_objects``, ``sys.settrace``, ``object.__setattr__`` on objects
   the bundle did not define, ...). Imports made by torch or the harness on their own behalf
@@ -275,7 +275,7 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
             its salt, PRISM's caches: the jail's hidden paths, which may lie under the host's
             ``/tmp`` when there is no sandbox).
         allowed_import: ``(module, own_modules) -> bool`` for imports made by bundle frames;
-            default: the static gate's rule (:func:`prism_challenge.gates.sandbox.module_rule`).
+            default: the static gate's rule (:func:`prism_challenge.gates.modulerule.module_rule`).
 
     Raises:
         OSError: ``bundle_dir`` cannot be listed.
@@ -301,7 +301,7 @@ def build_policy(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[s
         OSError: ``bundle_dir`` cannot be listed.
     """
     if allowed_import is None:
-        from prism_challenge.gates.sandbox import module_rule
+        from prism_challenge.gates.modulerule import module_rule
 
         def allowed_import(name: str, own: frozenset[str]) -> bool:
             return module_rule(name, set(own)) is None

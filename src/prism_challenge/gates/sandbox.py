@@ -80,7 +80,7 @@ from prism_challenge.gates.classcheck import ClassChecks
 from prism_challenge.gates.complexity import guarded
 from prism_challenge.gates.findings import Finding
 from prism_challenge.gates.importcheck import ImportChecks
-from prism_challenge.gates.modulerule import _harness_path, module_rule
+from prism_challenge.gates.modulerule import _harness_path
 from prism_challenge.gates.namecheck import NameChecks
 from prism_challenge.gates.policy import ALLOWED_MODULES, ALLOWED_ROOTS, SHARDED, SHARDED_WHY
 from prism_challenge.gates.qualnames import _root
@@ -88,8 +88,6 @@ from prism_challenge.gates.reproducible import SetOrderChecks
 from prism_challenge.gates.scopes import ModuleInfo, lookup
 from prism_challenge.gates.valuecheck import ValueChecks
 
-# module_rule is re-exported here: the ranks' runtime audit hook (evaluator/audit.py) imports it
-# from this module, and its docs and the allow-list's test name it here.
 
 
 class Checker(
@@ -221,5 +219,4 @@ def check_modules(index: BundleIndex) -> list[Finding]:
 __all__ = [
     "Checker",
     "check_modules",
-    "module_rule",
 ]
