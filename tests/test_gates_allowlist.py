@@ -246,11 +246,11 @@ def test_the_allow_list_ships_with_the_package():
     assert "gates/allowlist.toml" in data["tool"]["setuptools"]["package-data"]["prism_challenge"]
 
 
-def test_module_rule_opens_no_file_once_the_sandbox_is_imported():
+def test_module_rule_opens_no_file_once_its_module_is_imported():
     # the ranks' runtime audit hook calls module_rule: the allow-list is read at import, not then
     code = (
         "import sys\n"
-        "import prism_challenge.gates.sandbox as sb\n"
+        "import prism_challenge.gates.modulerule as sb\n"
         "seen = []\n"
         "sys.addaudithook(lambda e, a: seen.append(a[0]) if e == 'open' else None)\n"
         "print(sb.module_rule('torch.nn.functional', set()), sb.module_rule('torch.xpu', set())[0], seen)\n"
