@@ -35,10 +35,7 @@ from prism_challenge.gates.scopes import lookup
 class AttributeChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: attributes, stores and blocked paths.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _on_Attribute(self, node: ast.Attribute) -> None:
         base_q = self.q(node.value)

@@ -32,10 +32,7 @@ from prism_challenge.gates.qualnames import _live_class_kind
 class CallChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: calls.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _on_Call(self, node: ast.Call) -> None:
         func = node.func

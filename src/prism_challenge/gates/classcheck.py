@@ -28,10 +28,7 @@ from prism_challenge.gates.scopes import lookup
 class ClassChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: function and class definitions.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _class_member(self, node: ast.AST, name: str) -> None:
         in_class = self.info.scope_for(node).kind == "class"

@@ -19,10 +19,7 @@ from prism_challenge.gates.scopes import absolute_module
 class ImportChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: imports and ``from`` imports.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _on_Import(self, node: ast.Import) -> None:
         for alias in node.names:

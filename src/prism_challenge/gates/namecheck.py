@@ -35,10 +35,7 @@ _ARTIFACTS_WORD = re.compile(r"\bartifacts_dir\b")
 class NameChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: names, keywords and string constants.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _on_Name(self, node: ast.Name) -> None:
         if node.id in BLOCKED_NAMES:

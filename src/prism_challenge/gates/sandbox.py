@@ -103,6 +103,11 @@ class Checker(
 ):
     """Runs every sandbox rule over one module of an indexed bundle.
 
+    Each check is a mixin of one kind of node (importcheck, namecheck, classcheck, attrcheck,
+    valuecheck, callcheck). This class provides them ``index``, ``info``, ``own``, ``q(node)``,
+    ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)`` and each other's
+    methods; its ``run`` calls each ``_on_<NodeType>`` handler on every node of the module.
+
     Args:
         index: the whole bundle (for cross-module resolution).
         info: the module to check.

@@ -31,10 +31,7 @@ from prism_challenge.gates.qualnames import _harness_class, _is_live_module, _ro
 class ValueChecks:
     """Mixin of :class:`prism_challenge.gates.sandbox.Checker`: values and references.
 
-    The host class (:class:`prism_challenge.gates.sandbox.Checker`) provides ``index``, ``info``,
-    ``own``, ``q(node)``, ``parent(node)``, ``is_builtin(name, node)``, ``add(rule, node, message)``
-    and the other checks' methods; its ``run`` calls each ``_on_<NodeType>`` handler here on every
-    node of the module."""
+    Its host's contract is in :class:`~prism_challenge.gates.sandbox.Checker`'s docstring."""
 
     def _module_value(self, node: ast.AST, qs: frozenset[str]) -> None:
         """A module used as a value (passed, returned, stored, put in a container, annotated):
