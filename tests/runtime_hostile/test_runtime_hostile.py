@@ -390,7 +390,7 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
     shutil.rmtree(bundle / "__pycache__")
     from prism_challenge.intake import frozen as frozen_mod
 
-    real_freeze, real_gates = ev.freeze, ev.static_gates
+    real_freeze, real_gates = ev.freeze, ev.start.static_gates  # the gates stage calls start.static_gates
     seen_by_check = {"update": True}
     frozen_copies = []
 
@@ -409,7 +409,7 @@ def test_bytecode_planted_beside_the_checked_source_never_runs(tmp_path, monkeyp
         return gated
 
     monkeypatch.setattr(ev, "freeze", freeze_and_keep)
-    monkeypatch.setattr(ev, "static_gates", gates_then_plant)
+    monkeypatch.setattr(ev.start, "static_gates", gates_then_plant)
     o = run(tmp_path, bundle, run_gates=True, heldout_bytes=30000)
     assert o.failure is None, o.failure
     s = o.manifest["score"]

@@ -41,7 +41,7 @@ def blind_probes(batches: Sequence[np.ndarray], key: bytes, vocab_size: int,
 
     Up to ``count`` batches spread over the prefix; in each, one row and ``k`` (``1 <= k < T``)
     drawn from a generator seeded by ``HMAC-SHA256(key, "heldout-blind-probes")``, ``key`` the
-    run's secret (:func:`prism_challenge.pipeline.run_secret`): never the public seed, so no
+    run's secret (:func:`prism_challenge.pipeline.start.run_secret`): never the public seed, so no
     one can tell in advance which rows and positions are probed. ``probe_batch`` ``[B, T]`` int64 has the batch's
     shape and is **real text**: a copy of another held-out batch of that shape, two batches away
     at least (so none of its tokens is the probed row's true future, which runs on into the next

@@ -14,7 +14,7 @@ harness, not the submission). This module then scores, in a separate bounded pro
 on the same rows of a deterministic byte-budget prefix of the ``val`` split
 (:func:`prism_challenge.data.stream.heldout_stream`: whole documents while their UTF-8 bytes
 total at most ``max_bytes``, in the train stream's layout ``EOT doc EOT doc ...``), cut into
-overlapping rows by :class:`prism_challenge.evaluator.feeder.RowAssembler` exactly as the feeder
+overlapping rows by :class:`prism_challenge.evaluator.rows.RowAssembler` exactly as the feeder
 cuts the train stream, and scored by :func:`prism_challenge.evaluator.instrument.score_batch`
 (eval mode, no_grad, logits sliced to ``V``, float64 sums; a non-finite batch is charged
 ``2 ln V`` nats per target, :func:`~prism_challenge.evaluator.instrument.charge`). So

@@ -17,7 +17,7 @@ model, load each snapshot and score its batch again (:mod:`prism_challenge.audit
 **Schedule: harmonic, keyed on the run's secret.** Batch 0 is always audited; every later
 batch ``k`` is audited when ``u_k < r_k``, ``r_k = min(1, A / k)`` (:func:`rate_at`), with ``u_k
 = HMAC-SHA256(key, "audit:k")`` read as a number in ``[0, 1)`` (:func:`audit_draw`). The key is
-the run's secret (:func:`prism_challenge.pipeline.run_secret`): 32 bytes from :mod:`secrets`,
+the run's secret (:func:`prism_challenge.pipeline.start.run_secret`): 32 bytes from :mod:`secrets`,
 drawn after intake, never shown to the sandbox, revealed in the manifest (``run_secret``) once
 the run has ended, so anyone can re-derive the draws (:func:`drawn_steps`) and nobody can
 compute them before. The rate depends on the step alone, never on a budget: the audits follow

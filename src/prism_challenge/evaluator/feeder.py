@@ -103,7 +103,7 @@ class Feeder(RankLink, BatchServer, StateReceiver, RankChecks):
         wall_clock_budget: seconds after :meth:`release` after which no new step is served.
         on_record: called (under the feeder lock) with each completed :class:`StepRecord`.
         max_state_bytes: most bytes of rank 0's scored ``state_dict`` the feeder accepts.
-        probe_key: the run's secret (:func:`prism_challenge.pipeline.run_secret`), which fixes
+        probe_key: the run's secret (:func:`prism_challenge.pipeline.start.run_secret`), which fixes
             which batches are probed for causality and how (HMAC-SHA256 of the key and the step,
             the same on every rank) and which are audited (the harmonic schedule,
             :func:`~prism_challenge.evaluator.auditplan.is_audited`); ``None``: a fresh key from

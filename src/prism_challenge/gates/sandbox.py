@@ -5,10 +5,10 @@ with a stable rule id (see :mod:`prism_challenge.gates.rules`). The checks:
 
 * imports only from the allowlist (:data:`ALLOWED_ROOTS`, :data:`ALLOWED_MODULES` and the
   bundle's own modules); known network/process/filesystem/FFI/... modules get their specific
-  rule (:data:`BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
+  rule (:data:`prism_challenge.gates.policy.BLOCKED_MODULES`), reached by import or by attribute (``torch.hub.load``);
 * the allow-list (``gates/allowlist.toml``, :mod:`prism_challenge.gates.allowlist`), after
   the deny rules: every path a bundle reaches on an allowed module (import, ``from`` import,
-  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`module_rule`), so must
+  attribute, ``getattr``/``hasattr`` literal) must be listed (:func:`prism_challenge.gates.modulerule.module_rule`), so must
   every builtin it reaches, and every attribute name used on any other object must be listed
   or defined by the bundle itself
   (:mod:`prism_challenge.gates.allowcheck`, :mod:`prism_challenge.gates.owned`); else

@@ -72,7 +72,7 @@ class Sandbox:
 
 @dataclass
 class Run:
-    """One run's shared state, filled in stage by stage (:func:`_run_bundle`): what intake gave,
+    """One run's shared state, filled in stage by stage (:func:`prism_challenge.pipeline._run_bundle`): what intake gave,
     what each stage made, and the times the manifest's ``timing`` reads."""
 
     opts: EvalOptions

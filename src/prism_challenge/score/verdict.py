@@ -365,7 +365,7 @@ def build_verdict(
             the first one's nats per target is the anomaly signal. A step's targets are needed
             for that: ``StepRecord``s, dicts with ``targets``, or the manifest curve.
         vocab_size: ``V``.
-        heldout: the output of :func:`prism_challenge.audit.heldout.run_heldout`, or ``None``.
+        heldout: the output of :func:`prism_challenge.audit.heldout_parent.run_heldout`, or ``None``.
         heldout_error: the reason the held-out evaluation is missing (flag
             ``heldout_unavailable``; the memorization penalty is then 1.0: no evidence).
         stop_reason: the stream's ``stop_reason``; ``loop_stopped`` (the loop ended before its
