@@ -285,13 +285,13 @@ def _err():
 
 def _run_one(args: argparse.Namespace, opts, human) -> tuple[int, dict[str, Any]]:
     """One scored run with the progress bar; returns the exit code and the JSON summary."""
-    from prism_challenge import pipeline as ev
     from prism_challenge.api import evaluate
+    from prism_challenge.pipeline.context import NO_ISOLATION_WARNING
     from prism_challenge.research.report import print_failure, print_summary, summary_dict
 
     err = _err()
     if opts.isolation == "none":
-        err.print(f"[bold red on yellow] WARNING [/] [bold]{ev.NO_ISOLATION_WARNING}[/]")
+        err.print(f"[bold red on yellow] WARNING [/] [bold]{NO_ISOLATION_WARNING}[/]")
     bar = ProgressBar(err, disable=args.no_progress or args.quiet)
     try:
         result = evaluate(opts, on_progress=bar)
