@@ -21,7 +21,7 @@ from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 from prism_challenge.evaluator.seeding import force_seeds
 from prism_challenge.manifest.run_manifest import MANIFEST_NAME
 
-from helpers import EXAMPLE, LOOP, REPO, SHARED, UNIFORM_ARCH, write_bundle
+from helpers import EXAMPLE, IMPORT_OS_LOOP, LOOP, REPO, SHARED, UNIFORM_ARCH, write_bundle
 
 pytestmark = pytest.mark.slow
 
@@ -286,16 +286,6 @@ def _processes_with(needle: bytes) -> list[int]:
             except OSError:
                 pass
     return out
-
-
-IMPORT_OS_LOOP = """
-import os
-
-def train(ctx):
-    model = ctx.build_model()
-    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
-        pass
-"""
 
 
 @pytest.mark.parametrize("isolation", ["strict", "none"])

@@ -18,18 +18,9 @@ import pytest
 from prism_challenge.evaluator.memcgroup import MemoryCgroup
 from prism_challenge.pipeline import EvalFailure, EvalOptions, evaluate
 
-from helpers import UNIFORM_ARCH, write_bundle
+from helpers import IMPORT_OS_LOOP, UNIFORM_ARCH, write_bundle
 
 pytestmark = pytest.mark.slow
-
-IMPORT_OS_LOOP = """
-import os
-
-def train(ctx):
-    model = ctx.build_model()
-    for batch in ctx.iter_train_batches(model, batch_size=1, seq_len=8):
-        pass
-"""
 
 
 @pytest.mark.parametrize("isolation", ["strict", "none"])
