@@ -44,7 +44,7 @@ def counting(self, started, **kw):
     return done
 J.Jail.finish = counting
 if how == "check":
-    from prism_challenge.gates.param_count import measure_parameters
+    from prism_challenge.gates.param_parent import measure_parameters
     got = measure_parameters(root, "architecture", "build_model", vocab_size=50257, seq_len=256,
                              max_parameters=10**9, timeout_s=3600)
     ok, runlog = got.count is not None, 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import prism_challenge.gates.param_count as param_count
+import prism_challenge.gates.param_parent as param_parent
 from prism_challenge.intake.bundle import BundleError, load_bundle
 from prism_challenge.gates import parameter_gate, run_gates
 from prism_challenge.gates.param_count import count_unique_elements, uninitialized
@@ -210,7 +210,7 @@ def test_child_is_not_started_when_the_sandbox_blocks(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("bundle code must not run")
 
-    monkeypatch.setattr(param_count, "measure_parameters", boom)
+    monkeypatch.setattr(param_parent, "measure_parameters", boom)
     report = gate(bundle(tmp_path, TIED.replace("TIE", "True") + "\nimport os\n"))
     assert report.param_count is None
     assert [f.rule for f in report.findings] == ["prism:no-process"]

@@ -178,7 +178,7 @@ class _Jail:
 
 
 def test_the_parameter_childs_failure_names_the_bytes_dropped(tmp_path):
-    from prism_challenge.gates.param_count import measure_parameters
+    from prism_challenge.gates.param_parent import measure_parameters
 
     got = measure_parameters(tmp_path, "architecture", "build_model", vocab_size=257, seq_len=8,
                              max_parameters=10, tokenizer="bytes", jail=_Jail())

@@ -12,6 +12,11 @@ job's model (:mod:`~prism_challenge.score.flops`), in that job's reply under ``f
 
 from __future__ import annotations
 
+from prism_challenge.evaluator import childgc
+
+if __name__ == "__main__":
+    childgc.pause()  # before the imports below import torch; until arm() (childgc)
+
 import base64
 import json
 import math

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from prism_challenge.evaluator import gpuadmit
+from prism_challenge.evaluator.childgc import resume as resume_gc
 
 AUDIT_EXIT_CODE = 86
 """Exit status of a process the hook stopped (torchrun, the parent and the tests look for it)."""
@@ -280,6 +281,7 @@ def arm(bundle_dir: str, writable: Iterable[str], *, hidden: Iterable[str] = (),
     Raises:
         OSError: ``bundle_dir`` cannot be listed.
     """
+    resume_gc()  # the collector is back before the bundle's first line (childgc)
     if os.environ.get(ENV_OFF) == "off":
         return
     policy = build_policy(bundle_dir, writable, hidden=hidden, allowed_import=allowed_import)

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import sys
 
+from prism_challenge.evaluator import childgc
 from prism_challenge.evaluator.warm import claim, die_with_parent
 
 
 def main() -> None:
-    """Die with the parent, then run this rank: warm (``--warm FD``), claimed, or cold."""
+    """Die with the parent, then run this rank: warm (``--warm FD``), claimed, or cold, its
+    start without the cyclic collector (:mod:`~prism_challenge.evaluator.childgc`)."""
+    childgc.pause()
     if len(sys.argv) == 3 and sys.argv[1] == "--warm":
         die_with_parent()  # the pool
         from prism_challenge.evaluator.runner import warm_main

@@ -88,7 +88,7 @@ def run_gates(
         param_timeout_s: wall-clock limit of the parameter-count child in seconds.
         param_memory_bytes: address-space limit of that child in bytes.
         isolation: ``"strict"``: the parameter child runs in the sandbox every process that
-            runs submitted code gets (:func:`prism_challenge.gates.param_count.check_jail`);
+            runs submitted code gets (:func:`prism_challenge.gates.param_parent.check_jail`);
             ``"none"``: without it (local work only).
         vocab_size: ``ctx.vocab_size`` for ``build_model``; default the bundle tokenizer's V.
         seq_len: ``ctx.sequence_length`` for ``build_model``.
@@ -305,16 +305,16 @@ def parameter_gate(
     memory, lazy modules) and the count of unique parameter and buffer elements (``None`` when
     the child could not count). ``tree``: the parsed architecture file, for the finding's line.
     ``jail``: where the child runs (the run's jail in ``prism eval``); default one of
-    ``isolation`` with ``memory_bytes`` (:func:`~prism_challenge.gates.param_count.check_jail`).
+    ``isolation`` with ``memory_bytes`` (:func:`~prism_challenge.gates.param_parent.check_jail`).
     A child the audit hook stopped is a ``prism:audit`` finding that names the event.
     ``context``: the run's context values (``prism eval``; see
-    :func:`~prism_challenge.gates.param_count.measure_parameters`).
+    :func:`~prism_challenge.gates.param_parent.measure_parameters`).
 
     Raises:
         RuntimeError: the harness could not run the child.
     """
     # imported here: the child runs this very module with -m, which must not be imported first
-    from prism_challenge.gates.param_count import check_jail, measure_parameters
+    from prism_challenge.gates.param_parent import check_jail, measure_parameters
 
     arch = bundle.architecture
     result = measure_parameters(

@@ -27,17 +27,12 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prism_challenge import scratch
+from prism_challenge.evaluator import childgc
 from prism_challenge.evaluator.childexit import exit_child
-
-if TYPE_CHECKING:
-    from prism_challenge.evaluator.jail import Jail
 
 PARAM_COUNT_SEED = 0
 """Seed forced before ``build_model`` in the child (the count must not depend on it)."""
@@ -417,8 +412,42 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+PRELOADED = ("torch", "prism_challenge.evaluator.audit", "prism_challenge.evaluator.interface",
+             "prism_challenge.evaluator.seeding")
+"""What the stdin mode imports before it reads its arguments (:func:`_preload`): what
+:func:`_child` imports first."""
+
+
+def _preload() -> list[str]:
+    """The stdin mode's start: torch and the harness modules :func:`_child` needs, imported
+    before the arguments are read (none of them runs submitted code), then the arguments: one
+    JSON list of strings on stdin's first line.
+
+    Raises:
+        SystemExit: stdin's first line is not a JSON list of strings (argparse's usage error).
+    """
+    import importlib
+
+    for name in PRELOADED:  # while the parent's gates run
+        importlib.import_module(name)
+
+    try:
+        argv = json.loads(sys.stdin.readline())
+    except ValueError:
+        argv = None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise SystemExit("prism_challenge.gates.param_count --stdin: stdin's first line must be a JSON list of strings")
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Child entry point; see the module docstring. Never returns (``os._exit``)."""
+    """Child entry point; see the module docstring. With ``--stdin`` alone
+    (:data:`~prism_challenge.gates.param_parent.CHILD_ARGV_TAIL`)
+    the arguments are read from stdin after the imports (:func:`_preload`). Never returns
+    (``os._exit``)."""
+    childgc.pause()  # until arm() (childgc)
+    if argv is None and sys.argv[1:] == ["--stdin"]:
+        argv = _preload()
     parser = argparse.ArgumentParser(prog="python -m prism_challenge.gates.param_count")
     parser.add_argument("--root", required=True)
     parser.add_argument("--module", required=True)
@@ -441,143 +470,6 @@ def main(argv: list[str] | None = None) -> None:
         result = {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc)}
     os.write(real_stdout, (json.dumps(result) + "\n").encode())
     exit_child(0)  # the bundle's buffered output flushed to stderr, no interpreter teardown
-
-
-# ---------------------------------------------------------------------------------------------
-# parent
-
-
-@dataclass(frozen=True)
-class ParamResult:
-    """What the child reported.
-
-    Attributes:
-        count: unique storage elements of parameters and buffers, or ``None`` on failure.
-        kind: failure kind (``timeout``, ``memory``, ``build``, ``forward``, ``import``,
-            ``symbol``, ``lazy``, ``crash``, ``harness``) or ``None`` on success.
-        error: one-line failure message (``""`` on success).
-        seconds: wall-clock seconds of the whole child, import of torch included.
-        detail: the child's full JSON object (parameters/buffers split on success).
-    """
-
-    count: int | None
-    kind: str | None
-    error: str
-    seconds: float
-    detail: dict[str, Any]
-
-
-PARAM_LIMITS_MEMORY = 8 << 30
-"""Address-space limit of the child when it runs without a run's jail (``prism check`` default)."""
-
-
-def measure_parameters(
-    root: Path,
-    module: str,
-    symbol: str,
-    *,
-    vocab_size: int,
-    seq_len: int,
-    max_parameters: int,
-    tokenizer: str = "gpt2",
-    timeout_s: float = 60.0,
-    jail: Jail | None = None,
-    context: dict[str, Any] | None = None,
-) -> ParamResult:
-    """Build the bundle's model in a jailed child and count its parameters.
-
-    Args:
-        root: bundle root (the frozen copy; put first on the child's ``sys.path``).
-        module, symbol: the architecture entrypoint (``architecture``, ``build_model``).
-        vocab_size, seq_len, max_parameters, tokenizer: the context handed to ``build_model``.
-        timeout_s: wall-clock limit in seconds for the whole child (torch import included).
-        jail: the :class:`~prism_challenge.evaluator.jail.Jail` every process that runs
-            submitted code starts in (sandbox, environment, limits); default: a strict jail
-            of its own (:func:`check_jail`).
-        context: the run's context values (:data:`~prism_challenge.evaluator.protocol.CONTEXT_FIELDS`,
-            ``prism eval``): the child's ``PrismContext`` then has them, and its artifacts
-            folder is the run's (still empty); default: a context of its own in a temporary folder.
-
-    Returns:
-        the child's report; never raises for bundle failures (they are ``kind``/``error``:
-        an audit refusal is kind ``audit`` with the event named).
-
-    Raises:
-        RuntimeError: the child could not be started at all.
-        prism_challenge.evaluator.isolation.IsolationError: no jail was given and strict
-            isolation is not available.
-    """
-    jail = jail or check_jail(Path(root))
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="prism-params-", dir=scratch.root()) as work:
-        artifacts = Path(work) / "artifacts" if context is None else Path(str(context["artifacts_dir"]))
-        artifacts.mkdir(exist_ok=context is not None)
-        cmd = [
-            sys.executable,
-            "-s",
-            "-m",
-            "prism_challenge.gates.param_count",
-            "--root", str(root),
-            "--module", module,
-            "--symbol", symbol,
-            "--vocab-size", str(vocab_size),
-            "--seq-len", str(seq_len),
-            "--max-parameters", str(max_parameters),
-            "--artifacts-dir", str(artifacts),
-            "--tokenizer", tokenizer,
-            "--hidden", json.dumps(list(jail.hidden)),
-        ] + ([] if context is None else ["--context", json.dumps(context)])  # fmt: skip
-        try:
-            done = jail.run(cmd, timeout_s=timeout_s, writable=[artifacts], cwd=artifacts)
-        except OSError as exc:
-            raise RuntimeError(f"cannot start the parameter-count child: {exc}") from exc
-    seconds = time.perf_counter() - started
-    if done.timed_out:
-        return ParamResult(None, "timeout", f"no result within {timeout_s:g} s", seconds, {})
-    if done.refusal is not None:
-        return ParamResult(None, "audit", done.failure.partition(": ")[2], seconds, {})
-    lines = [ln for ln in done.stdout.decode("utf-8", "replace").splitlines() if ln.strip()]
-    detail: dict[str, Any] = {}
-    if lines:
-        try:
-            detail = json.loads(lines[-1])
-        except json.JSONDecodeError:
-            detail = {}
-    if not isinstance(detail, dict) or "ok" not in detail:
-        tail = " ".join(done.stderr.decode("utf-8", "replace").split()[-30:])
-        if done.stderr_note:  # a bounded tail (outputcap): say how much came before it
-            tail = f"{done.stderr_note} {tail}"
-        kind = (done.failure or "crash").partition(":")[0]
-        return ParamResult(None, kind if kind in ("memory", "tasks") else "crash",
-                           f"{done.failure or 'the child ended'} without a result: {tail}", seconds, {})
-    if detail.get("ok"):
-        return ParamResult(int(detail["count"]), None, "", seconds, detail)
-    return ParamResult(None, str(detail.get("kind", "build")), str(detail.get("error", "")), seconds, detail)
-
-
-def check_jail(root: Path, isolation: str = "strict", threads: int = 2, *,
-               memory_bytes: int = PARAM_LIMITS_MEMORY) -> Jail:
-    """The jail of a parameter child outside ``prism eval`` (``prism check``): the same sandbox,
-    environment policy and limits as a run's, with PRISM's caches (salts, token caches) hidden.
-
-    Raises:
-        prism_challenge.evaluator.isolation.IsolationError: strict isolation is not available.
-    """
-    from prism_challenge.data.builtin import default_cache_root
-    from prism_challenge.evaluator.isolation import Limits
-    from prism_challenge.evaluator.jail import (
-        DEFAULT_MAX_FILE_BYTES,
-        DEFAULT_MAX_OPEN_FILES,
-        DEFAULT_MAX_PROCESSES,
-        Jail,
-        default_memory_limit,
-    )
-
-    # the run's limits (RLIMIT_NPROC only for the sandbox uid of a root run, as in prism eval)
-    tasks = DEFAULT_MAX_PROCESSES if os.geteuid() == 0 and isolation == "strict" else None
-    limits = Limits(address_space_bytes=min(memory_bytes, default_memory_limit()), max_open_files=DEFAULT_MAX_OPEN_FILES,
-                    max_file_bytes=DEFAULT_MAX_FILE_BYTES, max_processes=tasks)
-    return Jail.open(isolation, bundle_dir=root, hidden=[str(default_cache_root())], limits=limits, threads=threads)
 
 
 if __name__ == "__main__":

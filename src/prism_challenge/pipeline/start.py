@@ -6,7 +6,9 @@ Nothing here imports torch before the ranks are launched (on a CPU run): the par
 ``import torch`` (about a second of CPU) then overlaps the ranks' interpreter start and imports
 instead of delaying them. The static gates need torch (they resolve names against the live
 modules), so :func:`launch` ends with it; the feeder and the later stages load on a thread
-while the gates run. ``tests/test_pipeline_imports.py`` keeps it so.
+while the gates run. On a host with a core to spare for it, the parameter cap's child starts
+with the ranks too (a spare, :func:`~prism_challenge.gates.param_parent.warm_child`): it imports
+torch, then waits for its arguments, which the gate sends once the static gates passed. ``tests/test_pipeline_imports.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from prism_challenge.data.builtin import default_cache_root, ensure_builtin
 from prism_challenge.data.manifest import DataError, load_manifest
 from prism_challenge.data.partition import default_salt_path
 from prism_challenge.data.stream import train_stream
-from prism_challenge.evaluator import launcher, protocol
+from prism_challenge.evaluator import childgc, launcher, protocol
 from prism_challenge.evaluator.isolation import Guard, IsolationError
 from prism_challenge.evaluator.jail import Jail, jail_limits
 from prism_challenge.evaluator.protocol import ENV_SOCKET, ENV_TOKEN, context_values
 from prism_challenge.evaluator.sizing import run_sizes
 from prism_challenge.failures import TOKENIZER, USAGE_STAGE, EvalFailure
+from prism_challenge.gates.param_parent import spare_cores, warm_child
 from prism_challenge.gates.stage import parameter_cap, static_gates
 from prism_challenge.intake.bundle import Bundle
 from prism_challenge.manifest.certificate import user_key_path
@@ -222,10 +225,14 @@ def launch(run: Run, undo: contextlib.ExitStack) -> None:
                                jail=sandbox.jail, cwd=run.artifacts, socket_dir=Path(run.sock_path).parent,
                                warm=opts.warm_ranks)
     undo.callback(run.proc.kill)
+    if opts.run_gates and spare_cores(opts.nproc):  # the parameter cap's child imports torch now too
+        with contextlib.suppress(OSError, IsolationError):  # no spare: the gate starts its child when it runs
+            warm_child(sandbox.jail, run.artifacts)
     if run.device == "cuda":
         from prism_challenge.evaluator.gpu import start_cuda_check
         run.cuda_check = start_cuda_check(sandbox.jail, opts.nproc)  # meanwhile
-    importlib.import_module("torch")  # the parent's own, now that the ranks import theirs (the gates need it)
+    with childgc.paused():  # about 0.1 s less of the parent's CPU (childgc)
+        importlib.import_module("torch")  # the parent's own, now that the ranks import theirs (the gates need it)
 
     run.imports = _import_meanwhile(AFTER_LAUNCH)
 
