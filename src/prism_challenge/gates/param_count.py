@@ -1,8 +1,11 @@
 """Parameter count in a bounded child process: ``python -m prism_challenge.gates.param_count``.
 
-The parent (:func:`measure_parameters`) starts this module as a separate interpreter with a
-wall-clock time limit and an address-space limit (``RLIMIT_AS``), in its own session so the
-whole process group is killed on timeout. The child:
+The parent (:func:`~prism_challenge.gates.param_parent.measure_parameters`) starts this module
+in the run's jail (a wall-clock limit, the jail's memory limit, its own session so the whole
+process group is killed on timeout) as ``python -s -m prism_challenge.gates.param_count --stdin``:
+it imports torch and the harness modules it needs (:data:`PRELOADED`), then reads its arguments,
+a JSON list of strings, on stdin's first line, so ``prism eval`` can start it early, as a spare
+(:func:`~prism_challenge.gates.param_parent.warm_child`). The child:
 
 1. moves its real stdout aside (bundle prints go to stderr), disables bytecode writing and points
    ``sys.pycache_prefix`` at an empty directory, so stale or planted ``__pycache__`` files in

@@ -69,7 +69,9 @@ def measure_parameters(
         root: bundle root (the frozen copy; put first on the child's ``sys.path``).
         module, symbol: the architecture entrypoint (``architecture``, ``build_model``).
         vocab_size, seq_len, max_parameters, tokenizer: the context handed to ``build_model``.
-        timeout_s: wall-clock limit in seconds for the whole child (torch import included).
+        timeout_s: wall-clock limit in seconds from the feed of its arguments to its end: for a
+            child started here its interpreter start and ``import torch`` (1 to 3 s) count in
+            it, for a spare (:func:`warm_child`) they came before.
         jail: the :class:`~prism_challenge.evaluator.jail.Jail` every process that runs
             submitted code starts in (sandbox, environment, limits); default: a strict jail
             of its own (:func:`check_jail`).
