@@ -8,7 +8,8 @@ instead of delaying them. The static gates need torch (they resolve names agains
 modules), so :func:`launch` ends with it; the feeder and the later stages load on a thread
 while the gates run. On a host with a core to spare for it, the parameter cap's child starts
 with the ranks too (a spare, :func:`~prism_challenge.gates.param_parent.warm_child`): it imports
-torch, then waits for its arguments, which the gate sends once the static gates passed. ``tests/test_pipeline_imports.py`` keeps it so.
+torch, then waits for its arguments, which the gate sends once the static gates passed.
+``tests/test_pipeline_imports.py`` keeps it so.
 """
 
 from __future__ import annotations
