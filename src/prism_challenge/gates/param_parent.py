@@ -106,7 +106,7 @@ def measure_parameters(
         ] + ([] if context is None else ["--context", json.dumps(context)])  # fmt: skip
         try:  # a spare started by :func:`warm_child` for the same folder is fed instead of a new child
             done = jail.run(child_argv(), input=(json.dumps(args) + "\n").encode(), timeout_s=timeout_s,
-                            writable=[str(artifacts)], cwd=str(artifacts))
+                            **_placement(artifacts))
         except OSError as exc:
             raise RuntimeError(f"cannot start the parameter-count child: {exc}") from exc
     seconds = time.perf_counter() - started
@@ -163,7 +163,14 @@ def warm_child(jail: Jail, artifacts: Path) -> None:
         prism_challenge.evaluator.isolation.IsolationError: the sandbox cannot be set up.
         OSError: the child cannot be started.
     """
-    jail.warm(child_argv(), writable=[str(artifacts)], cwd=str(artifacts))
+    jail.warm(child_argv(), **_placement(artifacts))
+
+
+def _placement(artifacts: Path) -> dict[str, Any]:
+    """The child's writable folder and working directory, ``artifacts``: one definition for
+    :func:`warm_child` and :func:`measure_parameters`, since a spare is fed only when they match
+    (:meth:`~prism_challenge.evaluator.jail.Jail.run`)."""
+    return {"writable": [str(artifacts)], "cwd": str(artifacts)}
 
 
 def check_jail(root: Path, isolation: str = "strict", threads: int = 2, *,
