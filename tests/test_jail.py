@@ -144,3 +144,37 @@ def test_a_strict_child_sees_no_network_and_not_the_parents_environment(tmp_path
     done = jail.run([sys.executable, "-S", "-c", code], timeout_s=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().strip() == "None [(1, 'lo')]"
+
+
+@pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
+def test_a_folder_a_strict_child_grew_reaches_the_next_child_new_and_a_spare_on_it_is_not_fed(tmp_path):
+    """The directory-size channel (freshdir): a child makes and deletes 600 entries in its folder,
+    which leaves the folder's size grown on ext4; after ``empty_folders`` the next child reads a
+    new folder's size, and a spare started on the grown folder is killed, not fed."""
+    from prism_challenge.evaluator.freshdir import empty_folders
+
+    folder = tmp_path / "art"
+    folder.mkdir()
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    fresh = probe.stat().st_size
+    probe.rmdir()
+    (tmp_path / "bundle").mkdir()  # bound read-only: not above the folder
+    jail = Jail.open("strict", bundle_dir=tmp_path / "bundle", hidden=[], limits=Limits(), threads=1)
+    grow = ("import os, sys; d = sys.argv[1]\n"
+            "for i in range(600): open(os.path.join(d, f'{i:04d}' + 'n' * 80), 'w').close()\n"
+            "for n in os.listdir(d): os.unlink(os.path.join(d, n))\n"
+            "print(os.stat(d).st_size)")
+    grown = jail.run([sys.executable, "-S", "-c", grow, str(folder)], timeout_s=60, writable=[str(folder)])
+    assert grown.returncode == 0, grown.stderr
+    if int(grown.stdout) == fresh:
+        pytest.skip("this filesystem shrinks an emptied directory")
+    read = "import os, sys; sys.stdin.buffer.read(); print(os.getpid(), os.stat(sys.argv[1]).st_size)"
+    argv = [sys.executable, "-S", "-c", read, str(folder)]
+    jail.warm(argv, writable=[str(folder)])
+    (stale,) = jail._spares.values()
+    empty_folders([folder])
+    done = jail.run(argv, input=b"", timeout_s=60, writable=[str(folder)])
+    jail.close()
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[1]) == fresh and stale.proc.returncode == -9

@@ -430,3 +430,42 @@ def test_audit_children_are_fed_one_at_a_time_on_an_emptied_folder_with_the_next
         rescore._run_tasks(_RecordingJail(events, fail={"c0"}), tasks, deadline=time.monotonic() + 60,
                            writable=["/art"])
     assert events[-1] == ("drop", "c1") and ("feed", "c1", "r1:1") not in events  # the spare: ended, never fed
+
+
+def _fresh_size(parent: Path) -> int:
+    probe = parent / "probe"
+    probe.mkdir()
+    size = probe.stat().st_size
+    probe.rmdir()
+    return size
+
+
+def test_empty_folders_replaces_a_folder_that_grew_and_keeps_one_that_did_not(tmp_path):
+    """A directory's size is a channel between two children: ext4 keeps a directory's blocks once
+    its entries are deleted, so a child that made many entries leaves the emptied folder larger,
+    and the next child reads ``os.stat(ctx.artifacts_dir).st_size``. A folder that grew is
+    replaced (new inode, same owner); one that did not keeps its inode (a spare bound to it stays
+    usable)."""
+    from prism_challenge.evaluator.freshdir import empty_folders
+
+    art = tmp_path / "art"
+    art.mkdir()
+    fresh = _fresh_size(tmp_path)
+    inode = art.stat().st_ino
+    (art / "one.pt").write_bytes(b"x")
+    empty_folders([art])
+    assert art.stat().st_ino == inode and art.stat().st_size == fresh
+    for i in range(600):  # about 40 names of this length per 4 KiB block
+        (art / f"{i:04d}{'n' * 80}").touch()
+    grown = art.stat().st_size
+    if grown == fresh:
+        pytest.skip("this filesystem's directories do not grow with their entries")
+    for p in list(art.iterdir()):
+        p.unlink()
+    if art.stat().st_size == fresh:
+        pytest.skip("this filesystem shrinks an emptied directory itself")
+    empty_folders([art])
+    st = art.stat()
+    assert st.st_size == fresh and st.st_ino != inode and (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+    assert stat.S_IMODE(st.st_mode) == 0o700 and list(art.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the size probe is gone
