@@ -337,3 +337,41 @@ def test_a_model_reaching_too_many_objects_is_refused_not_walked_forever(monkeyp
     m.junk = [[i] for i in range(1200)]  # 1,200 small lists (their ints are scalars, not counted)
     with pytest.raises(param_count.ObjectGraphTooLarge, match="more than 1,000 objects"):
         count_unique_elements(m)
+
+
+def test_a_failure_is_placed_at_the_bundle_line_that_raised(tmp_path):
+    """The finding names the innermost frame in the bundle's own files: the forward's raise in a
+    helper module, the raise inside build_model, and the def line when torch itself raised."""
+    root = bundle(tmp_path, """
+    from blocks import Net
+
+
+    def build_model(ctx):
+        return Net(ctx.vocab_size)
+    """)
+    (root / "blocks.py").write_text("from torch import nn\n\n\nclass Net(nn.Module):\n"
+                                    "    def __init__(self, v):\n        super().__init__()\n"
+                                    "        self.emb = nn.Embedding(v, 8)\n\n"
+                                    "    def forward(self, tokens):\n"
+                                    "        raise ValueError('no forward today')\n", encoding="utf-8")
+    (f,) = gate(root).findings
+    assert (f.rule, f.file, f.line) == ("prism:build-error", "blocks.py", 10)
+    assert f.message == ("the first forward pass (model(tokens), tokens [1, 8], under torch.no_grad()): "
+                         "ValueError: no forward today")
+    head = HEADER.count("\n")
+    (f,) = gate(bundle(tmp_path, "def build_model(ctx):\n    x = 1\n    raise ValueError('no model')\n")).findings
+    assert (f.file, f.line, f.message) == ("architecture.py", head + 3, "build_model(ctx): ValueError: no model")
+    (f,) = gate(bundle(tmp_path, "\ndef build_model(ctx):\n    return nn.Linear(3, 3)\n")).findings
+    assert (f.file, f.line) == ("architecture.py", head + 2)  # raised inside torch, called from harness code
+
+
+def test_a_childs_place_is_checked_before_it_is_believed(tmp_path):
+    from prism_challenge.gates.core import raised_at
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "m.py").write_text("x = 1\n")
+    assert raised_at(tmp_path, {"file": "sub/m.py", "line": 7}, "architecture.py", 3) == ("sub/m.py", 7)
+    for bad in [{"file": "/etc/passwd", "line": 1}, {"file": "../x.py", "line": 1}, {"file": "sub", "line": 1},
+                {"file": "sub/m.py", "line": 0}, {"file": "sub/m.py", "line": True}, {"file": "sub/m.py", "line": "7"},
+                {"file": 5, "line": 7}, {"file": "", "line": 7}, {"file": "nope.py", "line": 2}, {}]:
+        assert raised_at(tmp_path, bad, "architecture.py", 3) == ("architecture.py", 3), bad

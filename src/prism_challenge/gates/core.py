@@ -16,7 +16,7 @@ import ast
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prism_challenge.evaluator.jail import Jail
@@ -339,12 +339,37 @@ def parameter_gate(
         raise RuntimeError(f"parameter-count child could not build a context: {result.error}")
     if result.count is None:
         rule = _CHILD_RULES.get(result.kind or "", "prism:build-error")
-        return [Finding(rule, arch.file, line, 0, f"{arch.symbol}(ctx): {result.error}")], None
+        where, at = raised_at(bundle.root, result.detail, arch.file, line)
+        return [Finding(rule, where, at, 0, f"{_CHILD_STAGES.get(result.kind or '', arch.symbol + '(ctx)')}: "
+                                            f"{result.error}")], None
     if result.count > max_parameters:
         return [Finding("prism:param-cap", arch.file, line, 0,
                         f"{result.count:,} unique parameter and buffer elements exceed the cap of {max_parameters:,}")
                 ], result.count
     return [], result.count
+
+
+_CHILD_STAGES = {
+    "import": "importing the architecture",
+    "forward": "the first forward pass (model(tokens), tokens [1, 8], under torch.no_grad())",
+}
+"""How a parameter-child finding names the step that failed, by kind (else ``build_model(ctx)``)."""
+
+
+def raised_at(root: Path, detail: dict[str, Any], default_file: str, default_line: int) -> tuple[str, int]:
+    """The bundle file and line a parameter child's error was raised at (its ``file`` and
+    ``line``, :func:`~prism_challenge.gates.param_count.bundle_frame`), or the defaults when the
+    child named none or named something that is not a file of the bundle: the child ran
+    submitted code, so its words are checked (a relative path to a file under ``root``, a line
+    number >= 1)."""
+    file, line = detail.get("file"), detail.get("line")
+    if not isinstance(file, str) or type(line) is not int or line < 1 or not file or file.startswith("/"):
+        return default_file, default_line
+    try:
+        inside = (root / file).resolve().is_relative_to(root.resolve()) and (root / file).is_file()
+    except (OSError, ValueError):
+        inside = False
+    return (file, line) if inside else (default_file, default_line)
 
 
 def _def_line(tree: ast.Module | None, symbol: str) -> int:

@@ -17,8 +17,10 @@ a JSON list of strings, on stdin's first line, so ``prism eval`` can start it ea
 4. counts unique storage elements (:func:`count_unique_elements`, plus tensors the bundle's
    own modules hold at module level, :func:`bundle_global_tensors`) and writes one JSON line to
    its real stdout: ``{"ok": true, "count": N, ...}`` or ``{"ok": false, "kind": K,
-   "error": "..."}`` with ``K`` in ``import``, ``symbol``, ``build``, ``forward``, ``lazy``,
-   ``memory``, ``harness``; then leaves with ``os._exit`` so no bundle finalizer runs.
+   "error": "...", "file": F, "line": L}`` with ``K`` in ``import``, ``symbol``, ``build``,
+   ``forward``, ``lazy``, ``memory``, ``harness`` (``file`` and ``line``, when the exception's
+   traceback passes through the bundle's own files: its innermost frame there,
+   :func:`bundle_frame`); then leaves with ``os._exit`` so no bundle finalizer runs.
 
 Only bundles that passed the AST sandbox reach this child.
 """
@@ -360,7 +362,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     except MemoryError:
         return {"ok": False, "kind": "memory", "error": "MemoryError while importing"}
     except BaseException as exc:  # noqa: BLE001 - bundle code may raise anything
-        return {"ok": False, "kind": "import", "error": _describe(exc)}
+        return {"ok": False, "kind": "import", "error": _describe(exc), **bundle_frame(exc, root)}
     fn = mod.__dict__.get(args.symbol)
     if not callable(fn):
         return {"ok": False, "kind": "symbol", "error": f"{args.module} has no callable {args.symbol!r}"}
@@ -374,14 +376,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                 "error": f"{args.symbol}(ctx) returned {type(model).__name__}, not a torch.nn.Module",
             }
     except BaseException as exc:  # noqa: BLE001
-        return {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc)}
+        return {"ok": False, "kind": _kind(exc, "build"), "error": _describe(exc), **bundle_frame(exc, root)}
     try:
         gen = torch.Generator().manual_seed(args.seed)
         tokens = torch.randint(0, max(args.vocab_size, 1), DUMMY_BATCH, generator=gen)
         with torch.no_grad():
             model(tokens)
     except BaseException as exc:  # noqa: BLE001
-        return {"ok": False, "kind": _kind(exc, "forward"), "error": _describe(exc)}
+        return {"ok": False, "kind": _kind(exc, "forward"), "error": _describe(exc), **bundle_frame(exc, root)}
     lazy = uninitialized(model)
     if lazy:
         return {"ok": False, "kind": "lazy", "error": f"still uninitialized after one forward: {', '.join(lazy[:5])}"}
@@ -406,6 +408,23 @@ def _kind(exc: BaseException, default: str) -> str:
     if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text:
         return "memory"
     return default
+
+
+def bundle_frame(exc: BaseException, root: Path) -> dict[str, Any]:
+    """Where in the bundle ``exc`` was raised: ``{"file": path relative to ``root`` (POSIX),
+    "line": n}`` for the innermost frame of its traceback in a file under ``root``, or ``{}``
+    when no frame is (the error came from the harness or a library called at the top). Reads no
+    source file (the frames' lines are not looked up)."""
+    import traceback
+
+    frames = traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__), lookup_lines=False)
+    for frame in reversed(frames):
+        try:
+            rel = Path(frame.filename).resolve().relative_to(root)
+        except (ValueError, OSError):
+            continue
+        return {"file": rel.as_posix(), "line": int(frame.lineno or 0)}
+    return {}
 
 
 def _describe(exc: BaseException) -> str:
