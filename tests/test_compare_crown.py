@@ -148,3 +148,31 @@ def test_a_narrow_console_cuts_no_name_and_prints_no_python_dict(tmp_path, capsy
     for i in range(3):  # each run named by bundle and seed, its directory on a line of its own
         assert f"  tiny-1m · seed {i + 1}: 20261206-03193{i}-tiny-1m-d544fde8 (train FLOPs " in out
     assert "budgets: token_budget 4,000" in out.replace("\n", " ") and "{'token_budget'" not in out
+
+
+def test_a_second_variant_of_one_bundle_name_says_what_sets_it_apart(tmp_path, capsys, monkeypatch):
+    """Two runs of ``alpha``: the second with ``--heldout-bytes 50000`` and 1 thread (the same
+    bundle, so the same sha256): it is ``alpha#2``, and the report names those two settings."""
+    first = run(tmp_path, "alpha", 1, 1.0, 0)
+    other = run(tmp_path, "alpha", 2, 0.9, 5)
+    base = json.loads((first / MANIFEST_NAME).read_text())
+    base["profile"]["overridden"] = ["seq_len", "token_budget"]
+    (first / MANIFEST_NAME).write_text(json.dumps(base))
+    m = json.loads((other / MANIFEST_NAME).read_text())
+    m["verdict"]["heldout"]["max_bytes"] = 50000
+    m["profile"]["overridden"] = ["heldout_bytes", "seed", "seq_len", "token_budget"]  # the seed's: no setting
+    m["config"]["threads"] = 1
+    (other / MANIFEST_NAME).write_text(json.dumps(m))
+    (group,) = group_runs(load_runs([first, other]))
+    rows = crown(group)
+    second = next(r for r in rows if r.label == "alpha#2")
+    assert second.namesake == "alpha" and second.differs == (
+        'options over the profile: ["seq_len", "token_budget"] -> ["heldout_bytes", "seq_len", "token_budget"]',
+        f"held-out bytes: {base['verdict']['heldout']['max_bytes']} -> 50000",
+        f"config.threads: {base['config']['threads']} -> 1",
+    )
+    assert next(r for r in rows if r.label == "alpha").namesake is None
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["compare", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"  alpha#2 is alpha with other settings: {'; '.join(second.differs)}" in out

@@ -183,6 +183,34 @@ def variant(m: dict[str, Any]) -> str:
                       sort_keys=True)
 
 
+def settings(m: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings by name, for saying how two variants of one bundle differ
+    (:func:`differences`): the bundle's sha256, device, tokenizer, profile, the options given
+    over the profile, the held-out bytes (``verdict.heldout.max_bytes``) and each ``config`` field
+    (``config.<name>``)."""
+    profile = m.get("profile") or {}
+    heldout = (m.get("verdict") or {}).get("heldout") or {}
+    out: dict[str, Any] = {
+        "bundle sha256": str((m.get("bundle") or {}).get("sha256"))[:12],
+        "device": (m.get("compute") or {}).get("device"),
+        "tokenizer": (m.get("tokenizer") or {}).get("name"),
+        "profile": f"{profile.get('name')} ({str(profile.get('sha256'))[:12]})" if profile else None,
+        "options over the profile": sorted(f for f in profile.get("overridden", []) if f != "seed"),
+        "held-out bytes": heldout.get("max_bytes"),
+    }
+    out.update({f"config.{k}": v for k, v in sorted((m.get("config") or {}).items())})
+    return out
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``"<setting>: <a's> -> <b's>"`` for each of :func:`settings` that differs between the
+    manifests ``a`` and ``b``, in :func:`settings`' order."""
+    sa, sb = settings(a), settings(b)
+    return [f"{k}: {json.dumps(sa.get(k), sort_keys=True)} -> {json.dumps(sb.get(k), sort_keys=True)}"
+            for k in dict.fromkeys([*sa, *sb])
+            if json.dumps(sa.get(k), sort_keys=True) != json.dumps(sb.get(k), sort_keys=True)]
+
+
 def seed_repeats(group: Group) -> list[dict[str, Any]]:
     """Seed repeats in a group: runs of one bundle with the same settings and different seeds
     (two or more), with the mean and sample std (ddof=1) of ``prequential_bpb`` and ``final_score``."""
@@ -216,12 +244,16 @@ class CrownRow:
         vs_leader: ``mean - leader's mean`` with its 95 % Welch interval and p
             (:func:`~prism_challenge.score.crown.welch_difference`); ``None`` for the leader and where
             either side has fewer than 2 runs.
+        namesake: for a ``#N`` label, the label of the first variant of the same name, and
+            ``differs`` what sets them apart (:func:`differences`); else ``None`` and ``()``.
     """
 
     ranked: RankedGroup
     label: str
     runs: list[Run]
     vs_leader: Difference | None
+    namesake: str | None = None
+    differs: tuple[str, ...] = ()
 
 
 def crown(group: Group, p: float = DEFAULT_SIGNIFICANCE_P) -> list[CrownRow]:
@@ -234,13 +266,20 @@ def crown(group: Group, p: float = DEFAULT_SIGNIFICANCE_P) -> list[CrownRow]:
     first = {k: min(str(r.manifest.get("created_at", "")) for r in runs) for k, runs in by.items()}
     order = {k: i for i, k in enumerate(sorted(by, key=lambda k: (first[k], k)))}
     labels: dict[str, str] = {}
+    namesakes: dict[str, str] = {}
     for k in sorted(by, key=order.get):
         name = Path((by[k][0].manifest.get("bundle") or {}).get("path", "?")).name
-        labels[k] = name if name not in labels.values() else f"{name}#{order[k] + 1}"
+        first_k = next((j for j, label in labels.items() if label == name), None)
+        labels[k] = name if first_k is None else f"{name}#{order[k] + 1}"
+        if first_k is not None:
+            namesakes[k] = first_k
     ranked = rank_groups([RunGroup(k, tuple(float(r.manifest["score"]["prequential_bpb"]) for r in runs), order[k],
                                    short=any(r.short for r in runs)) for k, runs in by.items()], p)
     leaders = {g.short: g for g in ranked if g.leads}
     bpbs = {k: [float(r.manifest["score"]["prequential_bpb"]) for r in runs] for k, runs in by.items()}
     return [CrownRow(g, labels[g.key], by[g.key],
-                     None if g.leads else welch_difference(bpbs[g.key], bpbs[leaders[g.short].key]))
+                     None if g.leads else welch_difference(bpbs[g.key], bpbs[leaders[g.short].key]),
+                     labels[namesakes[g.key]] if g.key in namesakes else None,
+                     tuple(differences(by[namesakes[g.key]][0].manifest, by[g.key][0].manifest))
+                     if g.key in namesakes else ())
             for g in ranked]

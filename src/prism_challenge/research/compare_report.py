@@ -130,6 +130,14 @@ def crown_rows(rows_: Sequence[CrownRow]) -> list[tuple[str, ...]]:
     return out
 
 
+def namesake_lines(rows_: Sequence[CrownRow]) -> list[str]:
+    """One line per ``#N`` variant of the crown table: what sets it apart from the first variant
+    of its bundle's name (or that only settings not listed here do)."""
+    return [f"{r.label} is {r.namesake} with other settings: "
+            + ("; ".join(r.differs) if r.differs else "none listed here differs (see the manifests)")
+            for r in rows_ if r.namesake is not None]
+
+
 def crown_shown(rows_: Sequence[CrownRow]) -> bool:
     """The crown table is printed when it compares something: two variants, or seed repeats."""
     return len(rows_) > 1 or any(r.ranked.n > 1 for r in rows_)
@@ -192,6 +200,8 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
             for row in crown_rows(crowned):
                 ct.add_row(*map(escape, row))
             console.print(ct)
+            for line in namesake_lines(crowned):
+                console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     for r in failed:
         f = r.manifest.get("failure") or {}
         console.print(f"not ranked (failed at stage {f.get('stage')}): {r.label}: {f.get('message')}",
@@ -220,7 +230,8 @@ def html_report(groups: Sequence[Group], failed: Sequence[Run], plot_svg: bytes 
         crowned = crown(g, p)
         if crown_shown(crowned):
             parts.append("<h3>Bundles by the crown rule</h3><p class='note'>" + html.escape(CROWN_NOTE.format(p=p))
-                         + "</p>" + _table_html(CROWN_HEADERS, crown_rows(crowned)))
+                         + "</p>" + _table_html(CROWN_HEADERS, crown_rows(crowned))
+                         + "".join(f"<p class='note'>{html.escape(x)}</p>" for x in namesake_lines(crowned)))
     if failed:
         parts.append("<h2>Not ranked (failed)</h2>" + _table_html(
             ("run", "stage", "message"),
