@@ -158,3 +158,12 @@ def test_malformed_prism_yaml_is_one_finding_line_with_its_line_number(tmp_path,
         "prism.yaml line 2: not valid YAML: expected ',' or ']', but got '<stream end>' "
         "(while parsing a flow sequence from line 1)"
     )
+
+
+def test_the_header_breaks_between_its_parts_never_inside_one():
+    from prism_challenge.gates.cli import _packed
+
+    assert _packed(["bundle b", "architecture a.py:f", "tokenizer gpt2"], 30) == [
+        "bundle b  architecture a.py:f", "tokenizer gpt2"]  # 8 + 2 + 19 = 29 fits, + 16 does not
+    assert _packed(["x" * 40, "y"], 30) == ["x" * 40, "y"]  # too long for the width: a line of its own
+    assert _packed(["a", "b", "c"], 7) == ["a  b  c"]

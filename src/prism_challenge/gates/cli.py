@@ -151,6 +151,18 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
+def _packed(parts: list[str], width: int, sep: str = "  ") -> list[str]:
+    """``parts`` joined by ``sep`` into lines of at most ``width`` characters where they fit,
+    never breaking inside a part (a part longer than ``width`` has a line of its own)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
 def _print_table(report: GateReport) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -158,10 +170,11 @@ def _print_table(report: GateReport) -> None:
     console = Console(highlight=False)
     if report.bundle is not None:
         b = report.bundle
-        console.print(  # a .zip by its own name, never its temporary extraction
-            f"bundle {_escape(report.shown_source)}  architecture {b.architecture.file}:{b.architecture.symbol}"
-            f"  training {b.training.file}:{b.training.symbol}  tokenizer {b.tokenizer}"
-        )
+        for line in _packed([f"bundle {_escape(report.shown_source)}",  # a .zip by its own name, never its extraction
+                             f"architecture {b.architecture.file}:{b.architecture.symbol}",
+                             f"training {b.training.file}:{b.training.symbol}", f"tokenizer {b.tokenizer}"],
+                            console.width):
+            console.print(line, soft_wrap=True)
     if report.findings:
         table = Table(show_lines=False)
         table.add_column("rule", style="cyan", no_wrap=True)
