@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from prism_challenge.evaluator import protocol
+from prism_challenge.evaluator import isolation, protocol
 from prism_challenge.evaluator.auditplan import (
     AUDITED_BATCHES,
     audit_draw,
@@ -469,3 +469,39 @@ def test_empty_folders_replaces_a_folder_that_grew_and_keeps_one_that_did_not(tm
     assert st.st_size == fresh and st.st_ino != inode and (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
     assert stat.S_IMODE(st.st_mode) == 0o700 and list(art.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the size probe is gone
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(isolation.available_backend() is None, reason="no working sandbox backend")
+def test_the_children_cannot_relay_the_true_rows_through_the_page_cache(tmp_path):
+    """Red team rt19's ``pcrelay``: the re-scoring child evicted pages of site-packages files
+    (``posix_fadvise``), the blind probe child tested them (``preadv2(RWF_NOWAIT)``), and under
+    strict isolation every blind probe passed a model that peeks at every target. The sandbox's
+    kernel-call filter denies both now: the re-scoring still matches the record (the peek is
+    on), the relay comes back empty and the blind probe catches the peek."""
+    root, model, snap = _trained(tmp_path, "pcrelay")
+    for p in [root, *root.iterdir()]:  # readable by the sandbox uid
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    tokens = _chained(4, 64, 11)
+    jail = Jail.open("strict", bundle_dir=root, hidden=[], limits=Limits(), threads=1)  # hooks armed
+    from prism_challenge.evaluator.snapshots import file_sha256
+    from prism_challenge.audit.rescore import plan, run_children
+
+    filler = RNG.integers(0, 257, 500).astype(np.int64)
+    a = {0: AuditedStep(0, {0: tokens}, {0: 0.0}, snap, file_sha256(snap))}
+    jobs, _, paths, _ = plan(a, 1, filler, b"k" * 32)
+    art = tmp_path / "art"
+    art.mkdir()
+    try:
+        got = run_children(jail, _config(root, tmp_path), jobs, paths, mode="rescore",
+                           deadline=time.monotonic() + 120, writable=[str(art)])
+        peeked = got[0]["nats"]
+        assert peeked < _nats(model, tokens) - 3.0 * 4 * 63  # the peek is on
+        a[0].recorded[0] = peeked
+        report = run_audit(_config(root, tmp_path), a, jail=jail, world_size=1, filler=filler, key=b"k" * 32,
+                           timeout_s=300, artifacts_dir=str(art))
+    finally:
+        jail.close()
+    assert report.error is None, report.error
+    assert report.batches[0]["match"] is True
+    assert report.mismatch is not None and report.mismatch.startswith("blind probe of audited batch 0, row ")

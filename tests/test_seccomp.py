@@ -41,6 +41,8 @@ ARGS = {
     "settimeofday": [1, 1], "clock_settime": [0, 1], "clock_adjtime": [0, 1], "adjtimex": [1], "iopl": [99],
     "ioperm": [0x10000, 1, 1], "open_by_handle_at": [NEG, 1, 0], "name_to_handle_at": [NEG, 0, 0, 0, 0xFFFFFFFF],
     "syslog": [99, 0, 0], "vhangup": [], "sethostname": [0, 99999], "setdomainname": [0, 99999], "uselib": [1],
+    "fadvise64": [NEG, 0, 4096, 4], "fadvise64_64": [NEG, 0, 4096, 4], "cachestat": [NEG, 0, 0, 0],
+    "process_madvise": [NEG, 0, 0, 21, 0], "io_setup": [0, 0],
 }
 
 
@@ -57,6 +59,10 @@ def denied_calls() -> dict[str, tuple[list[int], str]]:
     for name, request in seccompfilter.DENIED_IOCTLS.items():
         calls[f"ioctl {name}"] = ([nr("ioctl"), NEG, request, 0], "EPERM")
     calls["socket AF_VSOCK"] = ([nr("socket"), seccompfilter.AF_VSOCK, 1, 0], "EPERM")
+    for advice in ("MADV_COLD", "MADV_PAGEOUT"):  # an unaligned address: the kernel's EINVAL
+        calls[f"madvise {advice}"] = ([nr("madvise"), 1, 4096, seccompfilter.PAGE_CACHE[advice]], "EPERM")
+    for name in ("preadv2", "pwritev2"):  # fd -1: the kernel's EBADF
+        calls[f"{name} RWF_NOWAIT"] = ([nr(name), NEG, 0, 0, 0, 0, seccompfilter.PAGE_CACHE["RWF_NOWAIT"]], "EPERM")
     return calls
 
 
@@ -203,3 +209,33 @@ def test_torch_compile_builds_its_kernels_with_gcc_under_the_filter(tmp_path):
     compiled, eager = eval(done.stdout.decode().splitlines()[-1])
     assert compiled == pytest.approx(eager, rel=1e-6)
     assert list((tmp_path / "art" / "inductor").rglob("*.so"))  # a kernel was built by g++, not skipped
+
+
+def test_the_page_cache_calls_are_refused_and_their_honest_neighbours_still_work(tmp_path, backend):
+    """What a bundle's Python sees (red team rt19's channel): ``posix_fadvise`` and a
+    ``RWF_NOWAIT`` read are refused, a plain ``preadv`` and ``madvise`` with
+    ``MADV_WILLNEED``/``MADV_DONTNEED`` (what allocators and loaders use) still work."""
+    code = """
+import json, mmap, os, sys
+out = {}
+fd = os.open(sys.executable, os.O_RDONLY)
+buf = bytearray(4)
+for label, call in [("fadvise", lambda: os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED)),
+                    ("nowait", lambda: os.preadv(fd, [buf], 0, os.RWF_NOWAIT)),
+                    ("preadv", lambda: os.preadv(fd, [buf], 0))]:
+    try:
+        out[label] = call()
+    except OSError as exc:
+        out[label] = type(exc).__name__
+m = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)
+m.madvise(mmap.MADV_WILLNEED)
+m.madvise(mmap.MADV_DONTNEED)
+out["madvise"], out["head"] = "ok", bytes(m[:4]).hex()
+print(json.dumps(out))
+"""
+    done = in_jail(tmp_path, [sys.executable, "-I", "-S", "-c", code])
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(sys.executable, "rb") as f:
+        head = f.read(4).hex()  # the ELF magic, read here
+    assert json.loads(done.stdout.decode().splitlines()[-1]) == {
+        "fadvise": "PermissionError", "nowait": "PermissionError", "preadv": 4, "madvise": "ok", "head": head}

@@ -18,7 +18,16 @@ reading or writing another process (``ptrace``, ``process_vm_readv``/``writev``,
 (old and new API), ``chroot``, module loading, ``kexec``, ``reboot``, swap, accounting, clock
 setting, raw port I/O, ``open_by_handle_at``, the ``TIOCSTI``/``TIOCLINUX`` terminal injection
 ioctls and ``AF_VSOCK`` sockets (a VM's channel to its hypervisor, which no network namespace
-covers). ``clone3`` gets ``ENOSYS``: its flags sit in a struct a filter cannot read, and glibc
+covers). It also denies what lets a process steer or read the host's **page cache** of files it
+may only read (:data:`PAGE_CACHE`): two jailed children share that cache, so one that evicts
+pages of the interpreter's install (``posix_fadvise(POSIX_FADV_DONTNEED)``) and one that tests
+them without blocking (``preadv2(RWF_NOWAIT)``) had a channel of tens of kilobytes, and a
+re-scoring child relayed the true rows to the blind probe child through it (red team rt19: the
+probe passed a model that peeks at every target). Denied: ``fadvise64``, ``cachestat``,
+``process_madvise``, Linux AIO (``io_setup``: its reads take ``RWF_NOWAIT`` too), ``madvise``
+with ``MADV_COLD`` or ``MADV_PAGEOUT``, and ``preadv2``/``pwritev2`` with ``RWF_NOWAIT``. Left:
+a child can still bring cold pages in by reading them, and another can tell which came in (by
+timing); docs/threat-model.md says what that leaves. ``clone3`` gets ``ENOSYS``: its flags sit in a struct a filter cannot read, and glibc
 falls back to ``clone`` on ``ENOSYS``, whose flags the filter checks (Docker's default profile
 does the same). System calls of another ABI (i386 ``int 0x80`` and x32 on x86-64) kill the
 process (libseccomp's bad-architecture action), so the list cannot be bypassed by their numbers.
@@ -58,8 +67,15 @@ DENIED = (
     "swapoff", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl",
     "ioperm", "open_by_handle_at", "name_to_handle_at", "syslog", "vhangup", "sethostname", "setdomainname",
     "uselib",
+    # the page cache of files the child may only read (PAGE_CACHE)
+    "fadvise64", "fadvise64_64", "cachestat", "process_madvise", "io_setup",
 )
 """System calls that fail with ``EPERM`` whatever their arguments."""
+
+PAGE_CACHE = {"MADV_COLD": 20, "MADV_PAGEOUT": 21, "RWF_NOWAIT": 0x8}
+"""``madvise(2)`` advice that moves file pages out of the cache, and the ``preadv2(2)`` /
+``pwritev2(2)`` flag that reads the cache without blocking (``<asm-generic/mman-common.h>``,
+``<linux/fs.h>``): each gets ``EPERM``."""
 
 CLONE_NEW_FLAGS = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
                    "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
@@ -101,6 +117,10 @@ def program() -> bytes:
         for request in DENIED_IOCTLS.values():
             f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
         f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_VSOCK))
+        for advice in ("MADV_COLD", "MADV_PAGEOUT"):
+            f.add_rule(eperm, "madvise", sc.Arg(2, sc.EQ, PAGE_CACHE[advice]))
+        for name in ("preadv2", "pwritev2"):  # flags: the sixth argument
+            f.add_rule(eperm, name, sc.Arg(5, sc.MASKED_EQ, PAGE_CACHE["RWF_NOWAIT"], PAGE_CACHE["RWF_NOWAIT"]))
         with tempfile.TemporaryFile() as out:
             f.export_bpf(out)
             out.seek(0)
