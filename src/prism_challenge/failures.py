@@ -141,7 +141,8 @@ class EvalFailure(RuntimeError):
         stage: where it stopped (a stage of :data:`FAILURE_KINDS`; ``config``: a bad command
             line or an option the machine cannot honour, ``prism eval`` exits 2 for it).
         message: one line naming the reason.
-        detail: more lines (blocking findings, a traceback tail), or ``""``.
+        detail: more lines (blocking findings, a traceback tail), or ``""``. Both with control
+            characters shown as escapes (:func:`prism_challenge.terminal.printable`).
         cause: the row of :data:`FAILURE_KINDS` within the stage (:data:`ANY_CAUSE`,
             :data:`REPORTED`, :data:`KILLED`, :data:`TOKENIZER`).
         findings: the gates' findings (``prism_challenge.gates.findings.Finding``) of a refusal.
@@ -149,6 +150,9 @@ class EvalFailure(RuntimeError):
 
     def __init__(self, stage: str, message: str, detail: str = "", *, cause: str = ANY_CAUSE,
                  findings: list | None = None):
+        from prism_challenge.terminal import printable
+
+        message, detail = printable(message), printable(detail)  # often the submission's own text
         super().__init__(f"{stage}: {message}")
         self.stage, self.message, self.detail, self.cause = stage, message, detail, cause
         self.findings = list(findings or [])

@@ -280,7 +280,7 @@ def _run_child(jail: Jail, child_config: dict[str, Any], batches: Sequence[np.nd
     if lines:
         try:
             reply = json.loads(lines[-1])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
             reply = None
     if not isinstance(reply, dict):
         raise HeldoutError(f"{done.failure or 'crash: no result'} and no result\n{tail}".rstrip())

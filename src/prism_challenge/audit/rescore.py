@@ -133,9 +133,13 @@ class AuditReport:
         return self.mismatch is None and self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's ``audit`` section."""
+        """The manifest's ``audit`` section (``mismatch`` and ``error``, which can quote a child's
+        own words, with control characters shown as escapes)."""
+        from prism_challenge.terminal import printable
+
         return {**self.meta, "batches": self.batches, "blind_probes": self.blind_probes,
-                "probe_skipped": self.probe_skipped, "mismatch": self.mismatch, "error": self.error,
+                "probe_skipped": self.probe_skipped, "mismatch": self.mismatch and printable(self.mismatch),
+                "error": self.error and printable(self.error),
                 "passed": self.passed, "wall_s": self.wall_s}
 
 
@@ -348,7 +352,7 @@ def _reply(done: Any, mode: str) -> dict[str, Any]:
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     try:
         reply = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
         reply = None
     if not isinstance(reply, dict):  # the child died while it ran submitted code, or before
         raise AuditError(f"{done.failure or 'crash: no result'} in the {mode} process\n{tail}".rstrip(),

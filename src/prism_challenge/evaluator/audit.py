@@ -580,7 +580,7 @@ def find_refusal(text: str) -> dict[str, Any] | None:
             continue
         try:
             found = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
             continue
         if isinstance(found, dict) and {"event", "arg", "rule"} <= set(found):
             return {k: str(found.get(k, "")) for k in ("event", "arg", "rule", "origin")}

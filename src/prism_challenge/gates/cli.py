@@ -146,9 +146,9 @@ def _print_unreadable(args: argparse.Namespace, rule: str, message: str) -> None
 
 
 def _escape(text: str) -> str:
-    from rich.markup import escape
+    from prism_challenge.terminal import shown
 
-    return escape(text)
+    return shown(text)
 
 
 def _packed(parts: list[str], width: int, sep: str = "  ") -> list[str]:

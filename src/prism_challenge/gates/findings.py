@@ -20,7 +20,8 @@ class Finding:
             (e.g. ``--nproc 16``).
         line: 1-based line; 0 when the finding is about the whole file or request.
         col: 1-based column in characters; 0 when there is no column.
-        message: one line saying what was found.
+        message: one line saying what was found (control characters shown as escapes:
+            :func:`prism_challenge.terminal.printable`).
         blocking: whether the finding stops the run (advisories are ``False``).
     """
 
@@ -30,6 +31,11 @@ class Finding:
     col: int
     message: str
     blocking: bool = True
+
+    def __post_init__(self) -> None:
+        from prism_challenge.terminal import printable
+
+        object.__setattr__(self, "message", printable(self.message))  # the bundle's text (terminal)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the same keys as the fields."""

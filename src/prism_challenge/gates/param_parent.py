@@ -119,7 +119,7 @@ def measure_parameters(
     if lines:
         try:
             detail = json.loads(lines[-1])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
             detail = {}
     if not isinstance(detail, dict) or "ok" not in detail:
         tail = " ".join(done.stderr.decode("utf-8", "replace").split()[-30:])

@@ -123,6 +123,8 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a valid run manifest: {schema_errors(exc)}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deep)") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable run manifest ({str(exc).splitlines()[0]})") from None
     if raw["status"] != "scored" or raw.get("audit") is None:
@@ -152,7 +154,10 @@ def service_key(url: str, timeout_s: float = 10.0) -> str:
 def _say(stage: str, text: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold]{stage:<12}[/bold] {text}")
+    from prism_challenge.terminal import shown
+
+    # the text can quote the manifest's own fields: shown, never obeyed (terminal, markup)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold]{stage:<12}[/bold] {shown(text)}")
 
 
 Say = Callable[[str, str], None]

@@ -34,6 +34,7 @@ from prism_challenge.pipeline.context import EvalOutcome, Run
 from prism_challenge.pipeline.start import model_config
 from prism_challenge.score.flops import run_spent
 from prism_challenge.score.verdict import budget_share, build_verdict
+from prism_challenge.terminal import printable
 
 STATE_NAME = "trained_state.pt"
 HELDOUT_BATCH = 8
@@ -196,7 +197,7 @@ HELDOUT_LINE_CHARS = 240
 def _one_line(error: str, log: Path) -> str:
     """A held-out error as one line plus a hint; the whole text goes to ``log`` (the summary
     and the manifest's ``heldout_error`` keep the line, the log keeps, e.g., every missing key)."""
-    lines = error.strip().splitlines() or ["unknown error"]
+    lines = printable(error).strip().splitlines() or ["unknown error"]  # the child's words (terminal)
     line = lines[0] if len(lines[0]) <= HELDOUT_LINE_CHARS else lines[0][:HELDOUT_LINE_CHARS] + "..."
     hint = next((h for prefix, h in HELDOUT_HINTS.items() if line.startswith(prefix)), None)
     try:

@@ -28,6 +28,7 @@ from prism_challenge.research.compare import (
 from prism_challenge.score.crown import DEFAULT_SIGNIFICANCE_P
 from prism_challenge.data.refcodes import CODECS, against_best
 from prism_challenge.score.flops import flops_text
+from prism_challenge.terminal import printable
 
 HEADERS = ("#", "run", "score↑", "bpb↓", "Δ held-out", "train FLOPs", "flags", "seed", "tokenizer", "bytes", "stop",
            *CODECS, "bpb − best ref")
@@ -152,7 +153,7 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
     """The console report: warnings, then per group its key, ranked table, seed repeats and the
     crown table of its bundles (significance level ``p``)."""
     from rich import box
-    from rich.markup import escape
+    from prism_challenge.terminal import shown as escape  # printable, then markup-escaped
     from rich.table import Table
 
     for w in warnings(groups):
@@ -180,7 +181,7 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
             t.add_row(*(escape(row[i]) for i in shown))
         console.print(t)
         for name, label in names or ():
-            console.print(f"  {name}: {label}", markup=False, highlight=False, soft_wrap=True)
+            console.print(printable(f"  {name}: {label}"), markup=False, highlight=False, soft_wrap=True)
         for line in reference_lines(g):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         reps = repeat_rows(g)
@@ -201,10 +202,10 @@ def print_report(console, groups: Sequence[Group], failed: Sequence[Run], p: flo
                 ct.add_row(*map(escape, row))
             console.print(ct)
             for line in namesake_lines(crowned):
-                console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+                console.print(printable(f"  {line}"), markup=False, highlight=False, soft_wrap=True)
     for r in failed:
         f = r.manifest.get("failure") or {}
-        console.print(f"not ranked (failed at stage {f.get('stage')}): {r.label}: {f.get('message')}",
+        console.print(printable(f"not ranked (failed at stage {f.get('stage')}): {r.label}: {f.get('message')}"),
                       markup=False, highlight=False, soft_wrap=True)
 
 
@@ -309,7 +310,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                   args.significance_p, figure_bytes(cfig, "svg") if cfig else None))
             console.print(f"report: {args.html}", markup=False, highlight=False, soft_wrap=True)
     except (CompareError, PlotError, OSError) as exc:
-        from rich.markup import escape
+        from prism_challenge.terminal import shown as escape  # printable, then markup-escaped
 
         err.print(f"[bold red]prism compare[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
+from prism_challenge.terminal import printable
+from prism_challenge.terminal import shown as escape  # printable, then markup-escaped
 from rich.table import Table
 
 from prism_challenge.evaluator.single import FAILED as SINGLE_AGENT_FAILED
@@ -22,7 +23,7 @@ def print_failure(console: Console, failure, run_dir: Path | None = None) -> Non
                   highlight=False, soft_wrap=True)
     detail = strip_launcher_dump(failure.detail or "")
     if detail:
-        console.print(detail, markup=False, highlight=False, soft_wrap=True)
+        console.print(printable(detail), markup=False, highlight=False, soft_wrap=True)
     if run_dir is not None:
         console.print(f"loop output (print) and the launcher's log: {run_dir / 'logs' / 'runner.log'}",
                       markup=False, highlight=False, soft_wrap=True)
