@@ -169,12 +169,20 @@ def test_a_folder_a_strict_child_grew_reaches_the_next_child_new_and_a_spare_on_
     assert grown.returncode == 0, grown.stderr
     if int(grown.stdout) == fresh:
         pytest.skip("this filesystem shrinks an emptied directory")
-    read = "import os, sys; sys.stdin.buffer.read(); print(os.getpid(), os.stat(sys.argv[1]).st_size)"
-    argv = [sys.executable, "-S", "-c", read, str(folder)]
-    jail.warm(argv, writable=[str(folder)])
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    read = ("import os, sys; open(os.path.join(sys.argv[2], 'up'), 'w').close(); sys.stdin.buffer.read(); "
+            "print(os.getpid(), os.stat(sys.argv[1]).st_size)")
+    argv, writable = [sys.executable, "-S", "-c", read, str(folder), str(mark)], [str(folder), str(mark)]
+    jail.warm(argv, writable=writable)
     (stale,) = jail._spares.values()
+    for _ in range(600):  # the spare is up: the sandbox bound the grown folder
+        if (mark / "up").exists():
+            break
+        time.sleep(0.05)
+    assert (mark / "up").exists() and stale.proc.poll() is None
     empty_folders([folder])
-    done = jail.run(argv, input=b"", timeout_s=60, writable=[str(folder)])
+    done = jail.run(argv, input=b"", timeout_s=60, writable=writable)
     jail.close()
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[1]) == fresh and stale.proc.returncode == -9
