@@ -3,6 +3,7 @@ three cheats of issue 15 end zeroed, and ``prism verify`` re-checks a run direct
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from prism_challenge.cli import main as prism
+from prism_challenge.evaluator.pagecache import EMPTIED
 from prism_challenge.evaluator.snapfile import read_snapshot_file, write_snapshot
 from prism_challenge.pipeline import EvalOptions, evaluate
 from prism_challenge.manifest.run_manifest import MANIFEST_NAME
@@ -44,6 +46,10 @@ def assert_passes(outcome):
     first = curve["nats_per_target"][0] * curve["cumulative_targets"][0]
     assert math.fsum(audit["batches"][0]["recorded_nats"]) == pytest.approx(first, rel=1e-12)  # the curve's batch 0
     assert audit["blind_probes"] > 0 and "audit" not in verdict["flags"]
+    expected = EMPTIED if os.geteuid() == 0 else "not emptied: the harness is not root (/proc/sys/vm/drop_caches needs it)"
+    assert audit["page_cache"] == expected  # before the blind probe child (evaluator/pagecache.py)
+    if (verdict.get("heldout") or {}).get("blind_probes"):
+        assert verdict["heldout"]["page_cache"] == expected
     return audit, verdict
 
 

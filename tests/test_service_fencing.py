@@ -133,17 +133,26 @@ def test_a_dropped_connection_during_the_result_write_leaves_exactly_one_run(sto
 
 def test_a_result_whose_text_no_database_stores_is_written_with_it_replaced(store):
     """A failure's message is the bundle's own exception text: a NUL (PostgreSQL's text refuses
-    it) or a lone surrogate (no driver encodes it) must not fail the write on every retry."""
+    it) or a lone surrogate (no driver encodes it) must not fail the write on every retry.
+    ``EvalFailure`` shows both as escapes from the start (``terminal.printable``); a message that
+    holds them raw anyway (set after, or from elsewhere) is written with them replaced."""
     text = "ValueError: a\x00b\ud800c"
+    assert EvalFailure("gates", text).message == "ValueError: a\\x00b\\ud800c"
+
+    def raw(stage, message):
+        failure = EvalFailure(stage, "")
+        failure.message = message  # past printable: the store's own replacement
+        return failure
+
     sid, other = store.submit(HOTKEY, SHA), store.submit(HOTKEY, SHA)
-    rejected = failure_result(EvalFailure("gates", text))
+    rejected = failure_result(raw("gates", text))
     done = store.record(store.claim(sid).token, rejected)
     assert (done.status, done.reason) == ("rejected", "written")
     (attempt,) = store.attempts(sid)
     assert attempt.failure_message == store.submission(sid).error_message == "ValueError: a\ufffdb\ufffdc"
     assert store.result_of(sid).manifest["failure"]["message"] == text  # JSON escapes them: the exact text
     assert store.record(attempt.token, rejected).reason == "duplicate"
-    retried = failure_result(EvalFailure("dispatch", text + "x" * 100_000))
+    retried = failure_result(raw("dispatch", text + "x" * 100_000))
     claim = store.claim(other)
     assert store.record(claim.token, retried).status == "pending"
     assert store.record(claim.token, retried).reason == "duplicate"

@@ -17,6 +17,7 @@ def test_printable_escapes_controls_and_bidi_marks_and_keeps_tab_newline_and_tex
     assert printable("\x00\x07\x7f\x9b") == "\\x00\\x07\\x7f\\x9b"
     assert printable("if x\u202e\u2066 else \u200f") == "if x\\u202e\\u2066 else \\u200f"
     assert printable("é ü 中文 ∑") == "é ü 中文 ∑"  # text, not controls
+    assert printable("a\u200bb\u2028c\ufeffd\ud800") == "a\\u200bb\\u2028c\\ufeffd\\ud800"  # invisible, unencodable
     assert shown("[bold]x\x1b") == "\\[bold]x\\x1b"
 
 
@@ -75,3 +76,18 @@ def test_a_childs_reply_too_long_or_too_deep_for_json_is_a_crash_not_a_traceback
         with pytest.raises(AuditError, match="crash: no result in the rescore process") as caught:
             _reply(Finished(0, stdout, b"", False, None, None), "rescore")
         assert caught.value.by_submission
+
+
+def test_prism_check_shows_prism_yamls_tokenizer_as_text(tmp_path, capsys, monkeypatch):
+    """Red team rt19b: ``prism.yaml``'s tokenizer reached the header raw (a screen clear, a Rich
+    ``[link]`` and a right-to-left override)."""
+    monkeypatch.setenv("COLUMNS", "250")
+    root = tmp_path / "b"
+    root.mkdir()
+    (root / "architecture.py").write_text("def build_model(ctx):\n    raise ValueError('x')\n")
+    (root / "training.py").write_text("def train(ctx):\n    pass\n")
+    (root / "prism.yaml").write_text('tokenizer: "gpt2\\e[2J[link=https://evil.example]click[/link]\\u202eevil"\n')
+    main(["check", str(root)])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out
+    assert "tokenizer gpt2\\x1b[2J[link=https://evil.example]click[/link]\\u202eevil" in out

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-"""C0 controls but tab and newline, DEL, C1 controls, and the bidirectional marks, embeddings,
-overrides and isolates (Unicode's UAX #9, and the "Trojan Source" report, CVE-2021-42574)."""
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028\u2029\u202a-\u202e"
+                     "\u2060-\u2069\ufeff\ud800-\udfff]")
+"""C0 controls but tab and newline, DEL, C1 controls; the zero-width characters, the line and
+paragraph separators, and the bidirectional marks, embeddings, overrides and isolates (Unicode's
+UAX #9, and the "Trojan Source" report, CVE-2021-42574); lone surrogates (not UTF-8: a terminal
+write of one raises ``UnicodeEncodeError``)."""
 
 
 def printable(text: str) -> str:

@@ -26,6 +26,7 @@ from prism_challenge.audit.blindprobe import BlindProbeError, blind_probes, comp
 from prism_challenge.audit.heldout_wire import HeldoutError, _frame, _pack_batches
 from prism_challenge.evaluator.isolation import Limits
 from prism_challenge.evaluator.freshdir import empty_folders
+from prism_challenge.evaluator.pagecache import cache_note, empty_page_cache
 from prism_challenge.evaluator.jail import Jail
 
 LN2 = math.log(2.0)
@@ -156,7 +157,8 @@ def run_heldout(
                                        int(config["vocab_size"]))
     figures = _figures(result, batch_bytes)
     figures.update({"split": split, "max_bytes": max_bytes, "parameter_count": reply.get("parameter_count"),
-                    "blind_probes": len(probes), "wall_s": time.monotonic() - t0})
+                    "blind_probes": len(probes), "page_cache": result.get("page_cache"),
+                    "wall_s": time.monotonic() - t0})
     return figures
 
 
@@ -232,6 +234,7 @@ def _score_in_children(jail: Jail, child_config: dict[str, Any], batches: list[A
         check_nats = reply.get("check_nats")
         if not isinstance(check_nats, list) or len(check_nats) != len(probes):
             raise HeldoutError("protocol: malformed reply from the held-out process (check_nats)")
+        result["page_cache"] = cache_note([empty_page_cache()])  # after the scoring child ended (pagecache)
         try:
             blind = _run_child(jail, {**child_config, "blind": [[row, k] for _, row, k, _ in probes], "checks": []},
                                [p[3] for p in probes], state, deadline, timeout_s)

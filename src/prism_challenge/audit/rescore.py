@@ -43,6 +43,7 @@ import numpy as np
 
 from prism_challenge.evaluator.auditplan import within
 from prism_challenge.evaluator.freshdir import empty_folders
+from prism_challenge.evaluator.pagecache import cache_note, empty_page_cache
 from prism_challenge.evaluator.snapfile import SnapshotFeed
 from prism_challenge.audit.heldout_wire import _frame, _pack_batches
 
@@ -116,6 +117,9 @@ class AuditReport:
         mismatch: the first record its re-scoring did not reproduce, or the first blind probe
             that failed, named; ``None`` when all passed.
         error: why the audit could not run (it zeroes the run like a mismatch).
+        page_cache: whether the host's page cache was emptied before each blind probe child
+            (:data:`~prism_challenge.evaluator.pagecache.EMPTIED`, or why not); ``None`` when no
+            blind probe child ran.
     """
 
     batches: list[dict[str, Any]] = field(default_factory=list)
@@ -124,6 +128,7 @@ class AuditReport:
     mismatch: str | None = None
     error: str | None = None
     wall_s: float = 0.0
+    page_cache: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     flops: Any = None  # the re-scoring child's FLOP count (prism_challenge.score.flops.child_count), not in to_dict
 
@@ -139,7 +144,7 @@ class AuditReport:
 
         return {**self.meta, "batches": self.batches, "blind_probes": self.blind_probes,
                 "probe_skipped": self.probe_skipped, "mismatch": self.mismatch and printable(self.mismatch),
-                "error": self.error and printable(self.error),
+                "error": self.error and printable(self.error), "page_cache": self.page_cache,
                 "passed": self.passed, "wall_s": self.wall_s}
 
 
@@ -267,12 +272,14 @@ def _payloads(config: dict[str, Any], jobs: list[Job], paths: list[Path], mode: 
 
 
 def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float, writable: Sequence[str],
-               child_limit: Callable[[int], float] | None = None, device: str = "cpu"
-               ) -> dict[str, list[dict[str, Any]]]:
+               child_limit: Callable[[int], float] | None = None, device: str = "cpu",
+               before_blind: Callable[[], None] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run one child per task, one at a time, the next one warming while one works (see
     :func:`run_both`); each mode's per-job results in task order. ``child_limit(jobs)``: the
     seconds one child of that many jobs may take (``None``: until ``deadline``); a child that
     runs past its own limit, before the deadline, hung of its own doing (``by_submission``).
+    ``before_blind``: called once the child before a blind probe child has ended, right before
+    that child is fed (:func:`run_audit` empties the page cache there).
 
     Raises:
         AuditError: as :func:`run_both`; ``hang: ...`` for a child past its own limit.
@@ -283,6 +290,8 @@ def _run_tasks(jail: Any, tasks: list[tuple[str, int, Any]], *, deadline: float,
         for i, (mode, count, payload) in enumerate(tasks):
             data = payload()
             empty_folders(writable)  # nothing another child left there (freshdir)
+            if mode == "blind" and before_blind is not None:
+                before_blind()  # nothing another child left in the page cache either (pagecache)
             left = deadline - time.monotonic()
             limit = child_limit(count) if child_limit is not None else None
             done = jail.run(argv, input=data, timeout_s=min(left, limit) if limit else left,
@@ -318,7 +327,8 @@ def run_children(jail: Any, config: dict[str, Any], jobs: list[Job], paths: list
 
 def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job], paths: list[Path], *,
              deadline: float, writable: Sequence[str], per_child: int | None = None,
-             child_limit: Callable[[int], float] | None = None, expect: Sequence[str | None] | None = None
+             child_limit: Callable[[int], float] | None = None, expect: Sequence[str | None] | None = None,
+             before_blind: Callable[[], None] | None = None
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The re-scoring children over ``jobs``, then the blind probe children over ``blind`` (if
     any): ``(rescored, blind or None)``, each list in job order.
@@ -338,7 +348,7 @@ def run_both(jail: Any, config: dict[str, Any], jobs: list[Job], blind: list[Job
     tasks = (_payloads(config, jobs, paths, "rescore", per_child, expect)
              + (_payloads(config, blind, paths, "blind", per_child, expect) if blind else []))
     results = _run_tasks(jail, tasks, deadline=deadline, writable=writable, child_limit=child_limit,
-                         device=str(config.get("device", "cpu")))
+                         device=str(config.get("device", "cpu")), before_blind=before_blind)
     empty_folders(writable)
     return results["rescore"], (results["blind"] if blind else None)
 
@@ -447,7 +457,8 @@ def hang_limit(timeout_s: float, batch_s: float) -> Callable[[int], float]:
 
 def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs: list[Job], paths: list[Path],
                   deadline: float, timeout_s: float, artifacts_dir: str, batch_s: float | None = None,
-                  expect: Sequence[str | None] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                  expect: Sequence[str | None] | None = None, before_blind: Callable[[], None] | None = None
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """:func:`run_both` before ``deadline``; when it fails of the submission's doing
     (``AuditError.by_submission``), once more with one snapshot per child and a fresh
     ``timeout_s`` (:data:`REFUSED`): a second failure of any kind, a timeout too, then follows a
@@ -463,7 +474,7 @@ def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs
     """
     try:
         return run_both(jail, config, jobs, blind_jobs, paths, deadline=deadline, writable=[artifacts_dir],
-                        expect=expect)
+                        expect=expect, before_blind=before_blind)
     except AuditError as first:
         timed_out = str(first).startswith("timeout:") and batch_s is not None and batch_s >= 0
         if not (first.by_submission or timed_out):
@@ -474,7 +485,7 @@ def _run_or_retry(jail: Any, config: dict[str, Any], jobs: list[Job], blind_jobs
         try:
             return run_both(jail, config, jobs, blind_jobs, paths, deadline=time.monotonic() + retry_s,
                             writable=[artifacts_dir], per_child=1, child_limit=limit,
-                            expect=expect)
+                            expect=expect, before_blind=before_blind)
         except AuditError as second:
             if timed_out and not first.by_submission and not second.by_submission:
                 raise first from None  # the whole audit is too slow here, and no child hung: no proof
@@ -514,10 +525,12 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
         return report
     device = str(config.get("device", "cpu"))
     deadline = t0 + timeout_s
+    emptied: list[str | None] = []  # one per blind probe child fed: None, or why the cache was not emptied
     try:
         digests = {Path(a.snapshot): a.sha256 for a in audits.values() if a.snapshot is not None}
         rescored, blind = _run_or_retry(jail, config, jobs, blind_jobs, paths, deadline, timeout_s, artifacts_dir,
-                                        batch_s, [digests.get(p) for p in paths])
+                                        batch_s, [digests.get(p) for p in paths],
+                                        before_blind=lambda: emptied.append(empty_page_cache()))
         report.flops = next((r["flops"] for r in rescored if isinstance(r, dict) and "flops" in r), None)
         compare_rescore(jobs, audits, rescored, device, world_size, report)
         if blind is not None and report.mismatch is None:
@@ -528,5 +541,6 @@ def run_audit(config: dict[str, Any], audits: dict[int, Any], *, jail: Any, worl
         report.error = str(exc) if str(exc).startswith(REFUSED) else report.error or str(exc)
     except OSError as exc:  # the jail could not start a child, or a snapshot file is unreadable
         report.error = report.error or f"audit: {exc}"
+    report.page_cache = cache_note(emptied)
     report.wall_s = time.monotonic() - t0
     return report

@@ -171,8 +171,9 @@ def _print_table(report: GateReport) -> None:
     if report.bundle is not None:
         b = report.bundle
         for line in _packed([f"bundle {_escape(report.shown_source)}",  # a .zip by its own name, never its extraction
-                             f"architecture {b.architecture.file}:{b.architecture.symbol}",
-                             f"training {b.training.file}:{b.training.symbol}", f"tokenizer {b.tokenizer}"],
+                             f"architecture {_escape(f'{b.architecture.file}:{b.architecture.symbol}')}",
+                             f"training {_escape(f'{b.training.file}:{b.training.symbol}')}",
+                             f"tokenizer {_escape(b.tokenizer)}"],  # prism.yaml's words (terminal.shown)
                             console.width):
             console.print(line, soft_wrap=True)
     if report.findings:

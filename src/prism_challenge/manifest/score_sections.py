@@ -105,6 +105,7 @@ class Heldout(_Model):
     batch_bytes: list[Count] | None = None  # per val batch (absent in manifests before the measured gap threshold)
     batch_nats_twin: list[float | None] | None = None
     batch_nats_trained: list[float | None] | None = None
+    page_cache: str | None = None  # emptied before the blind probe child, or why not (evaluator/pagecache.py)
 
 
 class MemorizationNoise(_Model):
@@ -187,6 +188,7 @@ class Audit(_Model):
     error: str | None
     passed: bool
     wall_s: Seconds
+    page_cache: str | None = None  # emptied before each blind probe child, or why not (evaluator/pagecache.py)
 
 
 class Certificate(_Model):
