@@ -174,9 +174,10 @@ def test_an_honest_run_scores_the_same_to_the_last_bit_with_the_filter_on_and_of
         handed.append(program())
         return handed[-1]
 
-    def score(name):
+    def score(name):  # one thread: at two, the example's AdamW step differs in its last bits in about
+        # 1 run in 15 with no sandbox at all (session 19's note), which would hide what the filter does
         o = evaluate(EvalOptions(bundle=str(EXAMPLE), out_dir=str(tmp_path / name), device="cpu", isolation="strict",
-                                 token_budget=4000, heldout_bytes=0))
+                                 token_budget=4000, heldout_bytes=0, threads=1))
         assert o.failure is None, o.failure
         return o.manifest["score"], o.manifest["curve"]
 
