@@ -26,8 +26,11 @@ re-scoring child relayed the true rows to the blind probe child through it (red 
 probe passed a model that peeks at every target). Denied: ``fadvise64``, ``cachestat``,
 ``process_madvise``, Linux AIO (``io_setup``: its reads take ``RWF_NOWAIT`` too), ``madvise``
 with ``MADV_COLD`` or ``MADV_PAGEOUT``, and ``preadv2``/``pwritev2`` with ``RWF_NOWAIT``. Left:
-a child can still bring cold pages in by reading them, and another can tell which came in (by
-timing); docs/threat-model.md says what that leaves. ``clone3`` gets ``ENOSYS``: its flags sit in a struct a filter cannot read, and glibc
+a child can still bring cold pages in by reading them, and another can tell which came in (a
+fault maps the cached pages around the one touched); :mod:`~prism_challenge.evaluator.pagecache`
+empties the cache before each blind probe child for that.
+
+``clone3`` gets ``ENOSYS``: its flags sit in a struct a filter cannot read, and glibc
 falls back to ``clone`` on ``ENOSYS``, whose flags the filter checks (Docker's default profile
 does the same). System calls of another ABI (i386 ``int 0x80`` and x32 on x86-64) kill the
 process (libseccomp's bad-architecture action), so the list cannot be bypassed by their numbers.
